@@ -1,0 +1,309 @@
+"""The EAGLE-3 draft with Multi-Latent Attention, in plain PyTorch.
+
+    aux [B, T, n_aux*H_t] --fc--> h0 [B, T, H]
+    step k:  e = input_layernorm(embed(ids_k)),  r = h_k,  x = cat[e, hidden_norm(h_k)]   (2H)
+             r = r + self_attn(x)                       (MLA; TTT cache across steps)
+             h_{k+1} = r + mlp(post_attention_layernorm(r))      <- pre-norm output, next step's input
+             logits_k = lm_head(norm(h_{k+1}))           (draft vocabulary)
+
+Module and parameter names are those of vLLM's Eagle3DeepseekV2ForCausalLM checkpoint
+(fc, midlayer.*, norm, lm_head, d2t), so export is a rename at most (model/checkpoint.py).
+The embedding is a frozen copy of the verifier's and never exported (vLLM shares the target's);
+final norm and lm_head start as copies of the verifier's and stay frozen unless `train_head`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from torch import Tensor, nn
+
+from model.mla import MLAConfig, MLAttention, RMSNorm, TTTCache
+from model.paths import REPO_ROOT
+from model.rope import RopeSpec
+from model.vocab import draft_to_target, t2d_from_d2t, target_ids_of
+
+CONF_DIR = REPO_ROOT / "conf"
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """Shapes and links to the verifier of one draft; filled from conf/draft + conf/verifier."""
+
+    # The draft decoder layer.
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rms_norm_eps: float
+    # Positions: the verifier's RoPE, so draft and verifier agree on what a position is.
+    max_position_embeddings: int
+    rope_parameters: dict[str, Any]
+    rope_interleave: bool
+    # Vocabulary: target size, and the draft's (== vocab_size when not pruned).
+    vocab_size: int
+    draft_vocab_size: int
+    # The verifier the draft reads from.
+    target_hidden_size: int
+    target_num_hidden_layers: int
+    aux_layer_ids: tuple[int, ...]          # vLLM convention (id k = hidden state entering layer k)
+    bos_token_id: int | list[int] | None = None
+    eos_token_id: int | list[int] | None = None
+    # Training-time choices (not part of the exported checkpoint).
+    attention: str = "ttt"                  # "ttt" | "reference" (model/mla.py)
+    train_head: bool = False                # train final norm and lm_head too
+
+    @property
+    def pruned(self) -> bool:
+        return self.draft_vocab_size != self.vocab_size
+
+    @property
+    def num_aux(self) -> int:
+        return len(self.aux_layer_ids)
+
+    def rope(self) -> RopeSpec:
+        return RopeSpec.from_hf(self.rope_parameters, self.qk_rope_head_dim, self.rope_interleave)
+
+    def mla(self) -> MLAConfig:
+        return MLAConfig(
+            input_size=2 * self.hidden_size,  # EAGLE-3 first layer reads cat[embedding, hidden]
+            hidden_size=self.hidden_size,
+            num_heads=self.num_attention_heads,
+            q_lora_rank=self.q_lora_rank,
+            kv_lora_rank=self.kv_lora_rank,
+            qk_nope_head_dim=self.qk_nope_head_dim,
+            qk_rope_head_dim=self.qk_rope_head_dim,
+            v_head_dim=self.v_head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            rope=self.rope(),
+        )
+
+    @classmethod
+    def from_conf(cls, draft: DictConfig | dict[str, Any], verifier_dir: Path | None = None) -> DraftConfig:
+        """From a resolved conf/draft node (see `compose_draft_conf`, or Hydra's cfg.draft).
+
+        verifier_dir: the verifier folder, whose config.json gives bos/eos ids for the export.
+        """
+        d = OmegaConf.to_container(draft, resolve=True) if isinstance(draft, DictConfig) else dict(draft)
+        assert isinstance(d, dict)
+        if verifier_dir is not None:
+            from model.verifier_weights import read_token_ids
+
+            d = read_token_ids(verifier_dir) | d
+        if d["hidden_size"] != d["target_hidden_size"]:
+            # vLLM feeds the target's embedding (width H_t) into the draft layer.
+            raise ValueError("the draft hidden_size must equal the verifier's")
+        from model.checkpoint import to_vllm_aux_ids  # the one home of aux-id conventions
+
+        aux = to_vllm_aux_ids(d["aux_layer_ids"], d["aux_convention"], d["target_num_hidden_layers"])
+        return cls(
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_attention_heads=d["num_attention_heads"],
+            q_lora_rank=d["q_lora_rank"],
+            kv_lora_rank=d["kv_lora_rank"],
+            qk_nope_head_dim=d["qk_nope_head_dim"],
+            qk_rope_head_dim=d["qk_rope_head_dim"],
+            v_head_dim=d["v_head_dim"],
+            rms_norm_eps=float(d["rms_norm_eps"]),
+            max_position_embeddings=d["max_position_embeddings"],
+            rope_parameters=dict(d["rope_parameters"]),
+            rope_interleave=bool(d["rope_interleave"]),
+            vocab_size=d["vocab_size"],
+            draft_vocab_size=d["draft_vocab_size"] or d["vocab_size"],
+            target_hidden_size=d["target_hidden_size"],
+            target_num_hidden_layers=d["target_num_hidden_layers"],
+            aux_layer_ids=tuple(aux),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=d.get("eos_token_id"),
+            attention=d.get("attention", "ttt"),
+            train_head=bool(d.get("train_head", False)),
+        )
+
+
+def compose_draft_conf(draft: str | DictConfig, verifier: str | DictConfig | None = None) -> DictConfig:
+    """conf/draft/<draft>.yaml resolved against its verifier yaml, as Hydra composes them.
+
+    The draft yaml points at `${verifier.*}` for what must match the verifier; `verifier` defaults
+    to the yaml named by the draft's own `verifier` key.
+    """
+    draft_cfg = OmegaConf.load(CONF_DIR / "draft" / f"{draft}.yaml") if isinstance(draft, str) else draft
+    if verifier is None:
+        verifier = str(draft_cfg.verifier)
+    verifier_cfg = OmegaConf.load(CONF_DIR / "verifier" / f"{verifier}.yaml") if isinstance(verifier, str) else verifier
+    root = OmegaConf.create({"verifier": verifier_cfg, "draft": draft_cfg})
+    return root.draft
+
+
+class DraftMLP(nn.Module):
+    """Dense SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    """The one EAGLE-3 decoder layer ("midlayer"): 2H-wide MLA input, residual from the hidden."""
+
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(H, eps)
+        self.hidden_norm = RMSNorm(H, eps)
+        self.self_attn = MLAttention(cfg.mla(), attention=cfg.attention)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.mlp = DraftMLP(H, cfg.intermediate_size)
+
+    def forward(
+        self,
+        embeds: Tensor,
+        hidden: Tensor,
+        positions: Tensor,
+        cache: TTTCache | None,
+        segment_ids: Tensor | None,
+    ) -> tuple[Tensor, TTTCache]:
+        """embeds, hidden: [B, T, H] -> (pre-norm output [B, T, H], cache)."""
+        x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)  # [B, T, 2H], embeddings first
+        attn, cache = self.self_attn(x, positions, cache, segment_ids)
+        residual = hidden + attn
+        return residual + self.mlp(self.post_attention_layernorm(residual)), cache
+
+
+class StepOutput(NamedTuple):
+    hidden: Tensor            # [B, T, H] pre-norm output: the next step's hidden input
+    normed: Tensor            # [B, T, H] norm(hidden): what lm_head reads
+    logits: Tensor | None     # [B, T, draft_vocab] (None when not asked for: the loss may chunk lm_head)
+    cache: TTTCache           # keys/values for the next step
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        H = cfg.hidden_size
+        # Frozen verifier embedding: a non-persistent buffer, so it is neither trained, nor in
+        # state_dict / training checkpoints, nor exported (vLLM shares the target's).
+        self.register_buffer("embed_tokens", torch.zeros(cfg.vocab_size, H), persistent=False)
+        self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, H, bias=False)
+        self.midlayer = DraftLayer(cfg)
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+        if cfg.pruned:
+            # Persistent: the vocabulary is part of the trained draft.
+            self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+            self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        else:
+            self.d2t = None
+            self.t2d = None
+        self.norm.weight.requires_grad_(cfg.train_head)
+        self.lm_head.weight.requires_grad_(cfg.train_head)
+
+    # ---- initialisation -------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
+        """Random init of the trainable layer: normal(0, std) linears, unit norms."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * std)
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+
+    @torch.no_grad()
+    def set_vocab(self, d2t: Tensor) -> None:
+        """Install the pruned vocabulary (d2t [draft_vocab] offsets); t2d follows from it."""
+        if self.d2t is None:
+            raise ValueError("this draft has the full vocabulary (draft_vocab_size == vocab_size)")
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d_from_d2t(d2t.to(self.t2d.device), self.config.vocab_size))
+
+    @torch.no_grad()
+    def load_verifier_head(self, verifier_dir: Path) -> None:
+        """Embedding, final norm and lm_head (rows of the draft vocabulary) from the verifier."""
+        from model.verifier_weights import read_verifier_head
+
+        head = read_verifier_head(verifier_dir)
+        self.embed_tokens.copy_(head.embed_tokens)
+        self.norm.weight.copy_(head.norm)
+        rows = head.lm_head if self.d2t is None else head.lm_head[target_ids_of(self.d2t.cpu())]
+        self.lm_head.weight.copy_(rows)
+
+    @torch.no_grad()
+    def load_verifier_embedding(self, verifier_dir: Path) -> None:
+        """Only the embedding (for a trained draft whose norm and lm_head come from its checkpoint)."""
+        from model.verifier_weights import EMBED, read_tensors
+
+        self.embed_tokens.copy_(read_tensors(verifier_dir, [EMBED])[EMBED])
+
+    # ---- forward pieces -------------------------------------------------------------------
+    def project_aux(self, aux: Tensor) -> Tensor:
+        """aux: [B, T, n_aux*H_t] (aux layers concatenated in aux_layer_ids order) -> [B, T, H]."""
+        return self.fc(aux)
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """[B, T] -> [B, T, H] with the frozen verifier embedding."""
+        return F.embedding(input_ids, self.embed_tokens)
+
+    def compute_logits(self, normed: Tensor) -> Tensor:
+        """normed: [..., H] -> logits [..., draft_vocab] (draft ids; see `to_target_logits`)."""
+        return self.lm_head(normed)
+
+    def step(
+        self,
+        input_ids: Tensor,
+        hidden: Tensor,
+        positions: Tensor,
+        cache: TTTCache | None = None,
+        segment_ids: Tensor | None = None,
+        *,
+        with_logits: bool = True,
+    ) -> StepOutput:
+        """One draft step (TTT step k or one generation step).
+
+        input_ids: [B, T] ids of this step; hidden: [B, T, H] (fc output at step 0, else the
+        previous step's `hidden`); positions: [B, T] RoPE positions (position_ids + k at step k);
+        cache: None at step 0, else the previous step's; segment_ids: [B, T] for packed rows.
+        """
+        out, cache = self.midlayer(self.embed(input_ids), hidden, positions, cache, segment_ids)
+        normed = self.norm(out)
+        logits = self.compute_logits(normed) if with_logits else None
+        return StepOutput(out, normed, logits, cache)
+
+    def draft_to_target(self, draft_ids: Tensor) -> Tensor:
+        return draft_to_target(draft_ids, self.d2t)
+
+    def to_target_logits(self, logits: Tensor) -> Tensor:
+        """Draft logits [..., Vd] scattered into the target vocabulary [..., V], -inf elsewhere (vLLM's view)."""
+        if self.d2t is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        full[..., target_ids_of(self.d2t)] = logits
+        return full
+
+
+def exported_parameter_count(draft: Eagle3Draft) -> int:
+    """Parameters that go into the checkpoint (all but the frozen embedding buffer)."""
+    return sum(p.numel() for p in draft.parameters())
+
+
+def build_draft(cfg: DraftConfig, device: torch.device | str | None = None) -> Eagle3Draft:
+    """A draft with random layer weights (`device="meta"` for shapes only)."""
+    with torch.device(device or "cpu"):
+        draft = Eagle3Draft(cfg)
+    if torch.device(device or "cpu").type != "meta":
+        draft.init_weights()
+    return draft
+

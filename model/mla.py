@@ -1,0 +1,217 @@
+"""Multi-Latent Attention (DeepSeek-V2/V3) for the EAGLE-3 draft layer, TTT-ready.
+
+Parameter names are DeepSeek's (q_a_proj, q_a_layernorm, q_b_proj | q_proj, kv_a_proj_with_mqa,
+kv_a_layernorm, kv_b_proj, o_proj) so the vLLM checkpoint is a plain rename. The projections
+that read the layer input (q_a_proj / q_proj, kv_a_proj_with_mqa) take `input_size`, which is
+2H for the EAGLE-3 first layer (cat[embedding, hidden]).
+
+Training-time test (TTT), facts file section 2: step k's query at position t attends the
+step-0 keys K0[s] for s <= t (same sample) plus the diagonal keys K1[t] .. Kk[t] of steps
+1..k. `TTTCache` carries K0/V0 and the diagonal keys; two interchangeable kernels compute the
+attention:
+
+- `attention_reference`: keys concatenated to (k+1)T and an explicit [T, (k+1)T] mask;
+- `attention_ttt`: causal attention over K0 returning its log-sum-exp, merged with the k
+  per-position diagonal dot products by log-sum-exp. Memory is that of ordinary causal
+  attention (the [B, heads, T, T] scores of one step); no (k+1)T key tensor, no T x T x K mask.
+
+Packed rows: `segment_ids` [B, T] (int, one id per sample in the row; give padding an id no
+sample uses) keeps attention inside a sample; positions restart per sample in `positions`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from model.rope import RopeSpec, RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in fp32, cast back before the weight (vLLM's and DeepSeek's order)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.to(x.dtype) * self.weight
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    input_size: int              # width of the layer input (2H in the EAGLE-3 first layer)
+    hidden_size: int             # o_proj output width (H)
+    num_heads: int
+    q_lora_rank: int | None      # None: a single q_proj instead of q_a_proj/q_a_layernorm/q_b_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rms_norm_eps: float
+    rope: RopeSpec
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass
+class TTTCache:
+    """Keys/values one TTT step leaves for the next.
+
+    k0/v0: [B, T, heads, d] from step 0 (attended causally); diag_k/diag_v: those of steps
+    1..k, each [B, T, heads, d], attended only at the query's own position.
+    """
+
+    k0: Tensor
+    v0: Tensor
+    diag_k: tuple[Tensor, ...] = field(default_factory=tuple)
+    diag_v: tuple[Tensor, ...] = field(default_factory=tuple)
+
+    def extend(self, k: Tensor, v: Tensor) -> TTTCache:
+        """A new cache with step k's keys appended (the old one is left as it was, for autograd)."""
+        return TTTCache(self.k0, self.v0, self.diag_k + (k,), self.diag_v + (v,))
+
+    @property
+    def num_steps(self) -> int:
+        return 1 + len(self.diag_k)
+
+
+def _same_segment_causal(segment_ids: Tensor | None, B: int, T: int, device: torch.device) -> Tensor:
+    """[B, 1, T, T] bool: query t may see key s (s <= t, same sample)."""
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    if segment_ids is None:
+        return causal.expand(B, 1, T, T)
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]        # [B, T, T]
+    return (causal & same)[:, None]
+
+
+def causal_attention_with_lse(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, segment_ids: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Causal (per-sample) attention and its log-sum-exp, differentiable in both.
+
+    q, k: [B, T, heads, dqk]; v: [B, T, heads, dv] -> out [B, T, heads, dv] fp32, lse [B, T, heads] fp32.
+    Plain matmuls: O(T^2) memory per head, the same as eager attention. A fused kernel that
+    returns a differentiable lse (e.g. flex attention under torch.compile on GPU) can replace it.
+    """
+    B, T = q.shape[:2]
+    scores = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) * scale     # [B, h, T, T]
+    scores = scores.masked_fill(~_same_segment_causal(segment_ids, B, T, q.device), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)                                       # [B, h, T]
+    probs = torch.exp(scores - lse[..., None])
+    out = torch.einsum("bhts,bshd->bthd", probs, v.float())
+    return out, lse.transpose(1, 2)
+
+
+def attention_ttt(q: Tensor, cache: TTTCache, scale: float, segment_ids: Tensor | None = None) -> Tensor:
+    """Memory-efficient TTT attention. q: [B, T, heads, dqk] -> [B, T, heads, dv] in q's dtype."""
+    out0, lse0 = causal_attention_with_lse(q, cache.k0, cache.v0, scale, segment_ids)
+    if not cache.diag_k:
+        return out0.to(q.dtype)
+    qf = q.float()
+    # Diagonal logits: query t against step j's key at the same t.      s: [B, T, heads, k]
+    s = torch.stack([(qf * kj.float()).sum(-1) for kj in cache.diag_k], dim=-1) * scale
+    vs = torch.stack([vj.float() for vj in cache.diag_v], dim=-2)        # [B, T, heads, k, dv]
+    m = torch.maximum(lse0, s.amax(-1)).detach()                         # shift for exp stability
+    w0 = torch.exp(lse0 - m)                                             # [B, T, heads]
+    w = torch.exp(s - m[..., None])                                      # [B, T, heads, k]
+    num = w0[..., None] * out0 + (w[..., None] * vs).sum(-2)
+    den = w0 + w.sum(-1)
+    return (num / den[..., None]).to(q.dtype)
+
+
+def ttt_mask(T: int, num_steps: int, segment_ids: Tensor | None, B: int, device: torch.device) -> Tensor:
+    """[B, 1, T, num_steps*T] bool, the facts file's mask over keys concatenated step by step:
+    (kv < T and q >= kv and same sample) or (kv >= T and (kv - q) % T == 0)."""
+    qi = torch.arange(T, device=device)[:, None]
+    kv = torch.arange(num_steps * T, device=device)[None, :]
+    causal = (kv < T) & (qi >= kv)
+    diagonal = (kv >= T) & ((kv - qi) % T == 0)
+    if segment_ids is None:
+        return (causal | diagonal).expand(B, 1, T, num_steps * T)
+    kv_seg = segment_ids.repeat(1, num_steps)                            # [B, num_steps*T]
+    same = segment_ids[:, :, None] == kv_seg[:, None, :]
+    return ((causal & same) | diagonal)[:, None]
+
+
+def attention_reference(q: Tensor, cache: TTTCache, scale: float, segment_ids: Tensor | None = None) -> Tensor:
+    """TTT attention with the explicit mask (O(T^2 * K)); the ground truth for `attention_ttt`."""
+    B, T = q.shape[:2]
+    keys = torch.cat((cache.k0, *cache.diag_k), dim=1).float()          # [B, (k+1)T, heads, dqk]
+    values = torch.cat((cache.v0, *cache.diag_v), dim=1).float()        # [B, (k+1)T, heads, dv]
+    scores = torch.einsum("bthd,bshd->bhts", q.float(), keys) * scale   # [B, h, T, (k+1)T]
+    scores = scores.masked_fill(~ttt_mask(T, cache.num_steps, segment_ids, B, q.device), float("-inf"))
+    out = torch.einsum("bhts,bshd->bthd", scores.softmax(-1), values)
+    return out.to(q.dtype)
+
+
+ATTENTION_IMPLS = {"ttt": attention_ttt, "reference": attention_reference}
+
+
+class MLAttention(nn.Module):
+    """DeepSeek MLA with the TTT cache API.
+
+    forward(x, positions, cache=None, segment_ids=None) -> (out [B, T, H], cache):
+    with cache None this is step 0 (K0/V0 are computed and returned as a new cache); with a
+    cache from the previous step, this step's keys join it as diagonal keys.
+    """
+
+    def __init__(self, cfg: MLAConfig, attention: str = "ttt") -> None:
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.num_heads
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(cfg.input_size, h * cfg.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(cfg.input_size, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
+        # One shared (MQA) rope key per position rides along with the compressed KV latent.
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.input_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(h * cfg.v_head_dim, cfg.hidden_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg.rope)
+        self.scale = cfg.rope.softmax_scale(cfg.qk_head_dim)
+        self.attention = attention
+        self._attend = ATTENTION_IMPLS[attention]
+
+    def project(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x: [B, T, input_size], positions: [B, T] -> q, k: [B, T, heads, qk_head_dim], v: [B, T, heads, v_head_dim]."""
+        cfg = self.cfg
+        B, T = x.shape[:2]
+        if cfg.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(B, T, cfg.num_heads, cfg.qk_head_dim)                 # per head: [nope | rope]
+        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(B, T, cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
+        k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)   # per head: [k_nope | v]
+
+        q_pe = self.rotary(q_pe, positions)                              # [B, T, heads, rope]
+        k_pe = self.rotary(k_pe[:, :, None, :], positions)               # [B, T, 1, rope]
+        q = torch.cat((q_nope, q_pe), dim=-1)
+        k = torch.cat((k_nope, k_pe.expand(B, T, cfg.num_heads, cfg.qk_rope_head_dim)), dim=-1)
+        return q, k, v
+
+    def forward(
+        self,
+        x: Tensor,
+        positions: Tensor,
+        cache: TTTCache | None = None,
+        segment_ids: Tensor | None = None,
+    ) -> tuple[Tensor, TTTCache]:
+        q, k, v = self.project(x, positions)
+        cache = TTTCache(k, v) if cache is None else cache.extend(k, v)
+        out = self._attend(q, cache, self.scale, segment_ids)           # [B, T, heads, dv]
+        return self.o_proj(out.flatten(-2)), cache
+

@@ -1,0 +1,208 @@
+"""Tests of model/rope.py and model/mla.py: RoPE against vLLM and transformers, TTT attention kernels."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from model.mla import (
+    MLAConfig,
+    MLAttention,
+    TTTCache,
+    attention_reference,
+    attention_ttt,
+    ttt_mask,
+)
+from model.rope import RopeSpec, RotaryEmbedding, yarn_get_mscale
+
+# kimi-tiny's rope (conf/verifier/kimi_tiny.yaml) and Kimi-K2's (conf/verifier/kimi_k2.yaml).
+TINY_ROPE = dict(rope_type="yarn", rope_theta=50000.0, factor=4.0, original_max_position_embeddings=1024,
+                 beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+K2_ROPE = dict(rope_type="yarn", rope_theta=50000.0, factor=64.0, original_max_position_embeddings=4096,
+               beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+# mscale != mscale_all_dim makes the cos/sin factor differ from 1.
+ODD_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096,
+                beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=0.0)
+
+
+@pytest.mark.parametrize("rope", [TINY_ROPE, K2_ROPE, ODD_ROPE], ids=["tiny", "k2", "odd"])
+def test_rope_equals_vllm_deepseek_rotary(rope: dict) -> None:
+    """Bit-for-bit vLLM's DeepseekScalingRotaryEmbedding (what serves the draft), interleaved."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding.deepseek_scaling_rope import DeepseekScalingRotaryEmbedding
+
+    with set_current_vllm_config(VllmConfig()):
+        theirs = DeepseekScalingRotaryEmbedding(
+            64, 64, rope["original_max_position_embeddings"], rope["rope_theta"], False, rope["factor"],
+            torch.float32, beta_fast=rope["beta_fast"], beta_slow=rope["beta_slow"], mscale=rope["mscale"],
+            mscale_all_dim=rope["mscale_all_dim"])
+    ours = RotaryEmbedding(RopeSpec.from_hf(rope, 64, interleaved=True))
+    g = torch.Generator().manual_seed(0)
+    pos = torch.randint(0, rope["original_max_position_embeddings"] * int(rope["factor"]), (257,), generator=g)
+    q, k = torch.randn(257, 4, 64, generator=g), torch.randn(257, 1, 64, generator=g)
+    q_ref, k_ref = theirs.forward_native(pos, q.clone(), k.clone())
+    torch.testing.assert_close(ours(q[None], pos[None])[0], q_ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ours(k[None], pos[None])[0], k_ref, rtol=0, atol=1e-6)
+
+
+def test_rope_and_softmax_scale_match_transformers_deepseek_v3() -> None:
+    """transformers de-interleaves before rotating: compare q.k scores, and the mscale^2 scale."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        DeepseekV3Attention,
+        DeepseekV3RotaryEmbedding,
+        apply_rotary_pos_emb_interleave,
+    )
+
+    config = DeepseekV3Config(hidden_size=256, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128,
+                              kv_lora_rank=512, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64,
+                              max_position_embeddings=4096, rope_interleave=True, rope_parameters=dict(TINY_ROPE))
+    spec = RopeSpec.from_hf(TINY_ROPE, 64, interleaved=True)
+    assert spec.softmax_scale(128) == pytest.approx(DeepseekV3Attention(config, layer_idx=0).scaling, rel=1e-12)
+    assert spec.softmax_scale(128) == pytest.approx(128 ** -0.5 * yarn_get_mscale(4.0, 1.0) ** 2)
+
+    g = torch.Generator().manual_seed(1)
+    T = 64
+    pos = torch.randint(0, 4096, (1, T), generator=g)
+    q, k = torch.randn(1, 4, T, 64, generator=g), torch.randn(1, 1, T, 64, generator=g)   # HF: [B, h, T, d]
+    cos, sin = DeepseekV3RotaryEmbedding(config)(q, pos)
+    q_hf, k_hf = apply_rotary_pos_emb_interleave(q, k, cos, sin)
+    rope = RotaryEmbedding(spec)
+    q_ours = rope(q.transpose(1, 2), pos).transpose(1, 2)                                  # ours: [B, T, h, d]
+    k_ours = rope(k.transpose(1, 2), pos).transpose(1, 2)
+    torch.testing.assert_close(q_ours @ k_ours.transpose(-1, -2), q_hf @ k_hf.transpose(-1, -2), rtol=1e-5, atol=2e-4)
+
+
+def test_rope_rejects_what_it_cannot_match() -> None:
+    with pytest.raises(ValueError):
+        RopeSpec.from_hf(dict(TINY_ROPE, attention_factor=1.0), 64, True)
+    with pytest.raises(ValueError):
+        RopeSpec.from_hf(dict(rope_type="longrope", rope_theta=1e4), 64, True)
+
+
+# ---- TTT attention ------------------------------------------------------------------------
+def _cache(B: int, T: int, h: int, dqk: int, dv: int, steps: int, g: torch.Generator) -> tuple[torch.Tensor, TTTCache]:
+    q = torch.randn(B, T, h, dqk, generator=g, dtype=torch.float64).float().requires_grad_()
+    mk = lambda d: torch.randn(B, T, h, d, generator=g).requires_grad_()  # noqa: E731
+    cache = TTTCache(mk(dqk), mk(dv))
+    for _ in range(steps - 1):
+        cache = cache.extend(mk(dqk), mk(dv))
+    return q, cache
+
+
+def _packed_segments(B: int, T: int) -> torch.Tensor:
+    """Row 0: one sample; row 1: three samples and padding (id 99)."""
+    seg = torch.zeros(B, T, dtype=torch.long)
+    seg[1, 5:11], seg[1, 11:T - 3], seg[1, T - 3:] = 1, 2, 99
+    return seg
+
+
+def test_ttt_mask_is_the_facts_formula() -> None:
+    T, steps = 5, 3
+    mask = ttt_mask(T, steps, None, 1, torch.device("cpu"))[0, 0]
+    for q, kv in itertools.product(range(T), range(steps * T)):
+        want = (kv < T and q >= kv) or (kv >= T and (kv - q) % T == 0)
+        assert bool(mask[q, kv]) == want, (q, kv)
+
+
+@pytest.mark.parametrize("steps", [1, 2, 4])
+@pytest.mark.parametrize("packed", [False, True], ids=["one-sample", "packed"])
+def test_ttt_attention_equals_reference_with_gradients(steps: int, packed: bool) -> None:
+    g = torch.Generator().manual_seed(steps)
+    B, T, h, dqk, dv = 2, 24, 3, 16, 8
+    segment_ids = _packed_segments(B, T) if packed else None
+    q, cache = _cache(B, T, h, dqk, dv, steps, g)
+    leaves = [q, cache.k0, cache.v0, *cache.diag_k, *cache.diag_v]
+    upstream = torch.randn(B, T, h, dv, generator=g)
+
+    outs, grads = [], []
+    for kernel in (attention_reference, attention_ttt):
+        out = kernel(q, cache, 0.37, segment_ids)
+        outs.append(out)
+        grads.append(torch.autograd.grad((out * upstream).sum(), leaves))
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-5)
+    for g_ttt, g_ref in zip(grads[1], grads[0]):
+        torch.testing.assert_close(g_ttt, g_ref, rtol=0, atol=1e-5)
+
+
+class _ShapeRecorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.shapes.append(tuple(t.shape))
+        return out
+
+
+def test_ttt_attention_builds_no_stacked_keys_or_3d_mask() -> None:
+    """Every intermediate of attention_ttt stays within one step's [B, h, T, T] scores."""
+    g = torch.Generator().manual_seed(0)
+    B, T, h, dqk, dv, steps = 1, 40, 2, 16, 8, 4
+    q, cache = _cache(B, T, h, dqk, dv, steps, g)
+    with _ShapeRecorder() as rec:
+        out = attention_ttt(q, cache, 0.3, _packed_segments(2, T)[1:])
+        out.sum().backward()
+    sizes = [torch.Size(s).numel() for s in rec.shapes]
+    assert max(sizes) <= B * h * T * T
+    assert not any(steps * T in s or (steps - 1) * T in s for s in rec.shapes)   # no (k+1)T key axis
+
+
+# ---- the MLA module -----------------------------------------------------------------------
+def _mla(q_lora_rank: int | None) -> MLAttention:
+    torch.manual_seed(0)
+    cfg = MLAConfig(input_size=64, hidden_size=32, num_heads=2, q_lora_rank=q_lora_rank, kv_lora_rank=24,
+                    qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=6, rms_norm_eps=1e-6,
+                    rope=RopeSpec.from_hf(TINY_ROPE, 8, interleaved=True))
+    mla = MLAttention(cfg)
+    for p in mla.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return mla
+
+
+@pytest.mark.parametrize("q_lora_rank", [16, None], ids=["q_lora", "q_proj"])
+def test_mla_parameter_names_are_deepseeks(q_lora_rank: int | None) -> None:
+    names = {n for n, _ in _mla(q_lora_rank).named_parameters()}
+    q_names = {"q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight"} if q_lora_rank else {"q_proj.weight"}
+    assert names == q_names | {"kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight"}
+
+
+def test_mla_packed_row_equals_separate_samples() -> None:
+    """Three TTT steps over a packed row give each sample what it gets alone."""
+    mla = _mla(16)
+    g = torch.Generator().manual_seed(3)
+    lengths = [7, 5, 9]
+    xs = [torch.randn(1, n, 64, generator=g) for n in lengths]
+    packed_x = torch.cat(xs, dim=1)
+    packed_pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    seg = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+
+    def run(x, pos, seg_ids):
+        cache, outs = None, []
+        for k in range(3):
+            out, cache = mla(x, pos + k, cache, seg_ids)
+            outs.append(out)
+        return outs
+
+    packed = run(packed_x, packed_pos, seg)
+    alone = [run(x, torch.arange(x.shape[1])[None], None) for x in xs]
+    for k in range(3):
+        torch.testing.assert_close(packed[k], torch.cat([a[k] for a in alone], dim=1), rtol=0, atol=1e-5)
+
+
+def test_mla_step_keys_rotate_at_their_own_positions() -> None:
+    """Shifting every position by the same offset leaves attention unchanged (relative RoPE)."""
+    mla = _mla(None)
+    x = torch.randn(1, 10, 64)
+    pos = torch.arange(10)[None]
+    out_a, cache_a = mla(x, pos)
+    out_b, cache_b = mla(x, pos + 100)
+    torch.testing.assert_close(out_a, out_b, rtol=0, atol=1e-4)
+    out_a1, _ = mla(x, pos + 1, cache_a)
+    out_b1, _ = mla(x, pos + 101, cache_b)
+    torch.testing.assert_close(out_a1, out_b1, rtol=0, atol=1e-4)
