@@ -43,3 +43,38 @@ verifier: setup
 
 test: setup
 	$(PY) -m pytest -q $(ARGS)
+
+# DATA: a preset of conf/data (sharegpt, sharegpt_subset, humaneval) or a JSON/JSONL file of
+# conversations (ShareGPT or OpenAI messages). Empty: the embedded default.
+DATA ?=
+ifneq ($(DATA),)
+ifneq ($(wildcard conf/data/$(DATA).yaml),)
+DATA_ARGS := data=$(DATA)
+else
+DATA_ARGS := data=jsonl data.path=$(abspath $(DATA))
+endif
+endif
+
+.PHONY: dump
+dump: setup
+	$(PY) -m dump $(DATA_ARGS) $(ARGS)
+
+# `make train [ARGS="<hydra overrides>"]`: stage 2 on `make dump`'s store (conf/train.yaml).
+# NPROC=N: N ranks on this machine through torchrun (gloo on CPU, NCCL on GPU). Several nodes:
+# run `torchrun --nnodes M --node_rank i --rdzv_endpoint host:port -m train` on each, or
+# `deepspeed --hostfile hostfile --module train` (train/engine.py). Sweeps: ARGS="-m train.ttt.steps=1,4".
+NPROC ?= 1
+ifeq ($(NPROC),1)
+TRAIN_LAUNCH := $(PY) -m train
+else
+TRAIN_LAUNCH := $(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) -m train
+endif
+
+.PHONY: train bench-train
+train: setup
+	$(TRAIN_LAUNCH) $(ARGS)
+
+# Trainer throughput, MFU against a matmul measured in the same run, DeepSpeed vs plain PyTorch
+# step time and the chunked loss's peak memory at Kimi's vocabulary: bench/results/train.json.
+bench-train: setup
+	$(PY) -m bench.train $(ARGS)

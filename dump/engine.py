@@ -29,6 +29,9 @@ def make_llm(model_dir: Path, engine: DictConfig, **extra: Any):
     """A vLLM engine on model_dir; `extra` adds speculative_config and the like."""
     if engine.kv_cache_space_gib is not None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(engine.kv_cache_space_gib)
+    # dump/capture.py ships its hook functions to the workers through collective_rpc, which
+    # vLLM serialises with cloudpickle only with this consent.
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm import LLM  # imported late: it is heavy, and only stage 1 and evaluation need it
 
     return LLM(model=str(model_dir), tokenizer=str(model_dir), **engine_kwargs(engine), **extra)

