@@ -78,3 +78,11 @@ train: setup
 # step time and the chunked loss's peak memory at Kimi's vocabulary: bench/results/train.json.
 bench-train: setup
 	$(PY) -m bench.train $(ARGS)
+
+# Dump throughput against vLLM's prefill, bytes/token against public tools' bf16 storage, peak
+# RSS: bench/results/dump.json.
+.PHONY: bench-dump bench
+bench-dump: setup
+	$(PY) -m bench.dump $(ARGS)
+
+bench: bench-dump bench-train

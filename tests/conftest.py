@@ -7,19 +7,10 @@ from pathlib import Path
 
 import model  # noqa: F401  (offline/cache environment before anything imports transformers or vLLM)
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from model.paths import REPO_ROOT
+from model.config import compose_config
 from model.verifier import verifier_dir
-
-CONF_DIR = REPO_ROOT / "conf"
-
-
-def compose_config(name: str, overrides: list[str] | None = None) -> DictConfig:
-    """The config an entry point would see for these command-line overrides."""
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return compose(config_name=name, overrides=overrides or [])
 
 
 @pytest.fixture(scope="session")
@@ -59,3 +50,51 @@ def draft_verifier_dir(kimi_tiny_cfg: DictConfig) -> Path:
         path = Path("/tmp/kt_smoke")  # TODO(lead): remove once kimi_tiny ships
     assert (path / "config.json").exists(), f"{path} is missing: run `make verifier`"
     return path
+
+
+# ---- stage 2 (train/) -----------------------------------------------------------------------
+TRAIN_STORE_SAMPLES = 24      # ShareGPT conversations in the test store
+TRAIN_STORE_MAX_LEN = 256     # tokens per sample
+
+
+def write_verifier_store(path: Path, verifier_path: Path, samples: int, max_len: int) -> Path:
+    """A real store without vLLM: `samples` ShareGPT train conversations through the verifier with
+    transformers (fp32), hidden_states[k] for the aux ids (vLLM convention: the state entering
+    layer k) and hidden_states[-1] (DeepseekV3's post-norm final state), written by StoreWriter."""
+    import torch
+    from transformers import AutoTokenizer, DeepseekV3ForCausalLM
+
+    from dump.conversations import load_conversations
+    from dump.store import StoreWriter, verifier_identity
+    from dump.template import SampleRejected, tokenize_conversation
+
+    cfg = compose_config("dump")
+    tokenizer = AutoTokenizer.from_pretrained(verifier_path)
+    verifier = DeepseekV3ForCausalLM.from_pretrained(verifier_path, dtype=torch.float32).eval()
+    aux_ids = list(cfg.verifier.aux_layer_ids)
+    data = {**cfg.data, "max_samples": None}
+    writer = StoreWriter(path, verifier_identity(verifier_path, cfg.verifier.name), aux_ids, cfg.store,
+                         {"data": {"format": cfg.data.format}}, aux_convention=cfg.verifier.aux_convention,
+                         rank=0, world_size=1)
+    written = 0
+    with writer, torch.no_grad():
+        for conv in load_conversations(data, "train"):
+            try:
+                sample = tokenize_conversation(tokenizer, conv, max_len, "truncate")
+            except SampleRejected:
+                continue
+            ids = torch.from_numpy(sample.input_ids).long()
+            states = verifier(ids[None], output_hidden_states=True).hidden_states
+            aux = torch.stack([states[k][0] for k in aux_ids], dim=1)         # [T, n_aux, H]
+            writer.add(sample.id, ids, torch.from_numpy(sample.loss_mask), aux, states[-1][0])
+            written += 1
+            if written == samples:
+                break
+    return path
+
+
+@pytest.fixture(scope="session")
+def train_store(draft_verifier_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small real store for the trainer tests (24 conversations of at most 256 tokens)."""
+    path = tmp_path_factory.mktemp("train_store") / "store"
+    return write_verifier_store(path, draft_verifier_dir, TRAIN_STORE_SAMPLES, TRAIN_STORE_MAX_LEN)

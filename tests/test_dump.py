@@ -19,7 +19,7 @@ from transformers import AutoTokenizer, DeepseekV3ForCausalLM
 from dump.conversations import Conversation, load_conversations
 from dump.store import StoreReader
 from model.paths import REPO_ROOT
-from tests.conftest import compose_config
+from model.config import compose_config
 
 pytestmark = pytest.mark.vllm
 
