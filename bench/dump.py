@@ -22,7 +22,7 @@ import psutil
 from transformers import AutoTokenizer
 
 import model  # noqa: F401  (offline/cache environment)
-from dump.capture import HiddenStateCapture
+from dump.capture import HiddenStateCapture, capture_engine_overrides
 from dump.conversations import load_conversations
 from dump.engine import make_llm, shutdown_llm
 from dump.store import StoreWriter, inspect_store, verifier_identity
@@ -113,7 +113,7 @@ def main() -> None:
         return store
 
     with PeakRSS() as rss:
-        llm = make_llm(vdir, cfg.engine, enable_prefix_caching=False)
+        llm = make_llm(vdir, cfg.engine, **capture_engine_overrides(cfg.max_len))
         capture = HiddenStateCapture(llm, aux_ids)
         prefill_only()  # warm-up
         base_s, dump_s, fp8_s = [], [], []

@@ -121,6 +121,13 @@ def _collect(worker) -> dict[str, CapturedSample] | None:
     return result if worker.rank == 0 else None
 
 
+def capture_engine_overrides(max_len: int) -> dict:
+    """Engine settings capture depends on, whatever conf/engine says."""
+    # Every prompt token must be computed (a prefix-cache hit would skip rows), and vLLM samples
+    # one token after a prefill, so a max_len prompt needs max_len + 1 positions.
+    return {"enable_prefix_caching": False, "max_model_len": max_len + 1}
+
+
 class HiddenStateCapture:
     """Prefill prompts through a vLLM engine and return each one's aux and final states."""
 

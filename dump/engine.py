@@ -26,7 +26,8 @@ def engine_kwargs(engine: DictConfig) -> dict[str, Any]:
 
 
 def make_llm(model_dir: Path, engine: DictConfig, **extra: Any):
-    """A vLLM engine on model_dir; `extra` adds speculative_config and the like."""
+    """A vLLM engine on model_dir; `extra` adds or overrides keyword arguments
+    (speculative_config, max_model_len, ...)."""
     if engine.kv_cache_space_gib is not None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(engine.kv_cache_space_gib)
     # dump/capture.py ships its hook functions to the workers through collective_rpc, which
@@ -34,7 +35,7 @@ def make_llm(model_dir: Path, engine: DictConfig, **extra: Any):
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm import LLM  # imported late: it is heavy, and only stage 1 and evaluation need it
 
-    return LLM(model=str(model_dir), tokenizer=str(model_dir), **engine_kwargs(engine), **extra)
+    return LLM(model=str(model_dir), tokenizer=str(model_dir), **{**engine_kwargs(engine), **extra})
 
 
 def shutdown_llm(llm) -> None:

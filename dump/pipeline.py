@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from dump.capture import HiddenStateCapture
+from dump.capture import HiddenStateCapture, capture_engine_overrides
 from dump.conversations import Conversation, ReadStats, load_conversations
 from dump.engine import make_llm, shutdown_llm
 from dump.regenerate import regenerate
@@ -53,8 +53,7 @@ def run_dump(cfg: DictConfig, llm=None) -> dict[str, Any]:
 
     own_engine = llm is None
     if own_engine:
-        # Capture needs every prompt token computed: a prefix-cache hit would skip rows.
-        llm = make_llm(vdir, cfg.engine, enable_prefix_caching=False)
+        llm = make_llm(vdir, cfg.engine, **capture_engine_overrides(cfg.max_len))
     capture = HiddenStateCapture(llm, list(cfg.verifier.aux_layer_ids))
     tokens = 0
     start = time.time()
