@@ -1,0 +1,151 @@
+"""Tests of train/batches.py: split, packing, the row stream, reading rows, the store check."""
+from __future__ import annotations
+
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from dump.conversations import sharegpt_split_key
+from dump.store import StoreMismatchError, StoreReader, StoreWriter, verifier_identity
+from model.draft import DraftConfig, compose_draft_conf
+from model.config import compose_config
+from train.batches import (PAD_SEGMENT, PackedRows, RowStream, StoreSplit, check_store, collate_rows,
+                           pack_next_fit, rank_rows, split_samples)
+
+
+# ---- packing and order --------------------------------------------------------------------------
+def test_next_fit_packing_keeps_order_and_length() -> None:
+    lengths = [5, 3, 4, 9, 12, 1, 1]
+    rows = pack_next_fit(lengths, 10)
+    assert rows == [[0, 1], [2], [3], [4], [5, 6]]            # 12 > 10: a row of its own, cut to 10
+    assert all(sum(min(lengths[i], 10) for i in row) <= 10 for row in rows)
+
+
+def test_row_stream_is_seeded_and_covers_each_sample_once_per_epoch() -> None:
+    lengths = [7, 3, 5, 2, 8, 6, 4, 1, 9, 2]
+    a, b, c = RowStream(lengths, 12, seed=0), RowStream(lengths, 12, seed=0), RowStream(lengths, 12, seed=1)
+    first = [a.row(i) for i in range(12)]
+    assert first == [b.row(i) for i in range(12)]
+    assert first != [c.row(i) for i in range(12)]
+    per_epoch = Counter()
+    for epoch, row in first:
+        per_epoch.update((epoch, s) for s in row)
+    epoch0 = [s for e, row in first if e == 0 for s in row]
+    assert sorted(epoch0) == list(range(len(lengths)))       # every sample once in epoch 0
+    assert max(per_epoch.values()) == 1
+    assert a.row(5) == first[5]                               # random access, any order
+
+
+def test_two_ranks_see_the_rows_of_one_rank_with_twice_the_accumulation() -> None:
+    stream = RowStream(list(range(1, 30)), 16, seed=3)
+    one = rank_rows(stream, 2, 5, micro_batch=1, grad_accum=2, rank=0, world_size=1)
+    r0 = rank_rows(stream, 2, 5, micro_batch=1, grad_accum=1, rank=0, world_size=2)
+    r1 = rank_rows(stream, 2, 5, micro_batch=1, grad_accum=1, rank=1, world_size=2)
+    for step in range(3):                                     # same rows per optimizer step
+        assert sorted(map(str, one[2 * step:2 * step + 2])) == sorted(map(str, [r0[step], r1[step]]))
+    resumed = rank_rows(stream, 3, 5, micro_batch=1, grad_accum=2, rank=0, world_size=1)
+    assert resumed == one[2:]                                 # a resumed run continues the stream
+
+
+# ---- split ----------------------------------------------------------------------------------------
+def test_heldout_split_is_stable_and_keeps_conversations_together(train_store: Path) -> None:
+    reader = StoreReader(train_store)
+    split = StoreSplit.open(train_store, 0.3, 1)
+    assert split.heldout and split.train
+    assert {r.sample_id for r in split.train}.isdisjoint(r.sample_id for r in split.heldout)
+    assert len(split.train) + len(split.heldout) == len(reader)
+    again = split_samples(list(reversed(reader.samples())), 0.3, 1, sharegpt_split_key)
+    assert {r.sample_id for r in again[1]} == {r.sample_id for r in split.heldout}
+    held_conversations = {sharegpt_split_key(r.sample_id) for r in split.heldout}
+    assert not any(sharegpt_split_key(r.sample_id) in held_conversations for r in split.train)
+
+
+# ---- reading rows ---------------------------------------------------------------------------------
+def test_packed_rows_hold_the_samples_with_restarting_positions(train_store: Path) -> None:
+    reader = StoreReader(train_store)
+    refs = reader.samples()
+    rows = PackedRows(train_store, refs, [[0, 1, 2], [3]], max_len=4096)
+    row = rows[0]
+    expected = [reader.read_sample(refs[i]) for i in (0, 1, 2)]
+    assert torch.equal(row["input_ids"], torch.cat([s.input_ids for s in expected]))
+    assert torch.equal(row["loss_mask"], torch.cat([s.loss_mask for s in expected]))
+    assert torch.equal(row["aux"], torch.cat([s.aux.flatten(1) for s in expected]))
+    assert torch.equal(row["final"], torch.cat([s.final for s in expected]))
+    lengths = [len(s.input_ids) for s in expected]
+    assert row["position_ids"].tolist() == [p for n in lengths for p in range(n)]
+    assert row["segment_ids"].tolist() == [i for i, n in enumerate(lengths) for _ in range(n)]
+    batch = collate_rows([row, rows[1]])
+    L = sum(lengths)
+    n1 = len(rows[1]["input_ids"])
+    assert batch["input_ids"].shape == (2, L) and batch["aux"].shape == (2, L, 3 * reader.hidden_size)
+    assert (batch["segment_ids"][1, n1:] == PAD_SEGMENT).all() and not batch["loss_mask"][1, n1:].any()
+    cut = PackedRows(train_store, refs, [[0]], max_len=16)[0]
+    assert len(cut["input_ids"]) == 16                      # a long sample is cut to max_len
+
+
+def test_loader_workers_read_the_same_batches(train_store: Path) -> None:
+    from train.batches import make_loader
+
+    refs = StoreReader(train_store).samples()
+    rows = PackedRows(train_store, refs, [[i] for i in range(6)], max_len=4096)
+    inline = list(make_loader(rows, 2, 0, 2))
+    workers = list(make_loader(rows, 2, 2, 2))
+    assert len(inline) == len(workers) == 3
+    for a, b in zip(inline, workers):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---- the store against the draft ------------------------------------------------------------------
+def _draft_cfg(verifier: Path) -> DraftConfig:
+    return DraftConfig.from_conf(compose_draft_conf("kimi_tiny"), verifier)
+
+
+def test_matching_store_is_accepted(train_store: Path, draft_verifier_dir: Path) -> None:
+    check_store(StoreReader(train_store), _draft_cfg(draft_verifier_dir), draft_verifier_dir)
+
+
+def _tiny_store(path: Path, verifier: Path, aux_ids: list[int], **identity_changes) -> Path:
+    cfg = compose_config("dump")
+    identity = verifier_identity(verifier, "kimi-tiny") | identity_changes
+    H, n = identity["hidden_size"], len(aux_ids)
+    with StoreWriter(path, identity, aux_ids, cfg.store, {}, aux_convention="vllm", rank=0, world_size=1) as w:
+        w.add("s0", torch.arange(4), torch.ones(4, dtype=torch.bool), torch.zeros(4, n, H), torch.zeros(4, H))
+    return path
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"aux_ids": [1, 4, 5]}, "aux layer ids"),
+    ({"hidden_size": 128}, "hidden size"),
+    ({"vocab_size": 4096}, "vocabulary"),
+    ({"config_sha256": "0" * 64}, "config_sha256"),
+])
+def test_mismatched_store_is_refused(tmp_path: Path, draft_verifier_dir: Path, change: dict, message: str) -> None:
+    aux = change.pop("aux_ids", [2, 4, 5])
+    store = _tiny_store(tmp_path / "store", draft_verifier_dir, aux, **change)
+    with pytest.raises(StoreMismatchError, match=message) as error:
+        check_store(StoreReader(store), _draft_cfg(draft_verifier_dir), draft_verifier_dir)
+    assert "does not match the draft config" in str(error.value)
+
+
+def test_store_of_another_verifier_checkpoint_is_refused(tmp_path: Path, draft_verifier_dir: Path,
+                                                         train_store: Path) -> None:
+    """Same shapes, other weights' config (a retrained verifier): its hash differs."""
+    import json
+
+    other = tmp_path / "other_verifier"
+    shutil.copytree(draft_verifier_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(config | {"rms_norm_eps": 1e-5}))
+    with pytest.raises(StoreMismatchError, match="config_sha256"):
+        check_store(StoreReader(train_store), _draft_cfg(other), other)
+
+
+def test_row_length_and_lr_follow_the_verifier_recipe() -> None:
+    """Kimi configs pack 8192-token rows at lr 2e-5 (the published drafts); kimi-tiny is smaller."""
+    k2 = compose_config("train", ["verifier=kimi_k2", "draft=kimi_k2"]).train
+    assert (k2.max_len, k2.lr) == (8192, 2e-5)
+    tiny = compose_config("train").train
+    assert tiny.max_len < 8192 and tiny.ttt.steps == 4 and tiny.ttt.decay == 0.8

@@ -1,0 +1,211 @@
+"""Tests of train/objective.py: alignment, chunked soft cross-entropy, packing, accept length."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+import train.objective as objective_module
+from dump.store import StoreReader
+from model.draft import DraftConfig, build_draft, compose_draft_conf
+from model.verifier_weights import read_verifier_head
+from train.batches import collate_rows, pack_row
+from train.objective import (Eagle3Objective, ObjectiveConfig, simulated_accept_length,
+                             soft_cross_entropy, step_inputs)
+
+
+@pytest.fixture(scope="module")
+def tiny_cfg(draft_verifier_dir: Path) -> DraftConfig:
+    return DraftConfig.from_conf(compose_draft_conf("kimi_tiny"), draft_verifier_dir)
+
+
+def _objective(cfg: DraftConfig, verifier: Path, steps: int = 3, chunk_bytes: int = 1 << 27,
+               d2t: torch.Tensor | None = None) -> Eagle3Objective:
+    torch.manual_seed(0)
+    draft = build_draft(cfg)
+    if d2t is not None:
+        draft.set_vocab(d2t)
+    draft.load_verifier_head(verifier)
+    head = read_verifier_head(verifier, torch.float32).lm_head
+    return Eagle3Objective(draft, head, ObjectiveConfig(steps, 0.8, chunk_bytes))
+
+
+# ---- alignment --------------------------------------------------------------------------------
+def _hand_row() -> dict[str, torch.Tensor]:
+    """Two samples packed in one row, then 2 tokens of padding.
+    A: ids 10..15, assistant tokens at 3, 4, 5.   B: ids 20..24, assistant tokens at 1, 2, 3."""
+    H = 4
+    samples = []
+    for ids, mask in (([10, 11, 12, 13, 14, 15], [0, 0, 0, 1, 1, 1]), ([20, 21, 22, 23, 24], [0, 1, 1, 1, 0])):
+        T = len(ids)
+        final = torch.arange(T, dtype=torch.float32)[:, None].expand(T, H) + ids[0]  # final[t] marks (sample, t)
+        samples.append((torch.tensor(ids), torch.tensor(mask, dtype=torch.bool), torch.zeros(T, 3, H), final))
+    row = pack_row(samples, max_len=16)                           # 11 tokens
+    longer = {k: torch.zeros((13, *v.shape[1:]), dtype=v.dtype) for k, v in row.items()}
+    return {k: v[:1] for k, v in collate_rows([row, longer]).items()}  # padded to 13, segment -1
+
+
+def test_alignment_on_a_hand_built_row() -> None:
+    """Step k at position t reads x[t+1+k], sits at position t+k, is trained towards F[t+1+k],
+    and counts iff x[t+2+k] (the predicted token) is an assistant token of the same sample."""
+    batch = _hand_row()
+    L = batch["input_ids"].shape[1]
+    assert L == 13 and batch["segment_ids"][0].tolist() == [0] * 6 + [1] * 5 + [-1] * 2
+    ids0, pos0, counted0 = step_inputs(batch, 0)
+    assert ids0[0].tolist() == [11, 12, 13, 14, 15, 0, 21, 22, 23, 24, 0, 0, 0]
+    assert pos0[0].tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 0, 0]
+    # A predicts its tokens 3, 4, 5 from positions 1, 2, 3; B its tokens 2, 3 from 0, 1
+    # (token 1 of B is an assistant token too, but no position of B predicts it two ahead).
+    assert counted0[0].nonzero().flatten().tolist() == [1, 2, 3, 6, 7]
+    ids1, pos1, counted1 = step_inputs(batch, 1)
+    assert ids1[0].tolist() == [12, 13, 14, 15, 0, 0, 22, 23, 24, 0, 0, 0, 0]
+    assert pos1[0].tolist()[:6] == [1, 2, 3, 4, 5, 6]
+    assert counted1[0].nonzero().flatten().tolist() == [0, 1, 2, 6]
+    ids3, _, counted3 = step_inputs(batch, 3)
+    assert counted3[0].nonzero().flatten().tolist() == [0]         # A: t=0 predicts x[5]
+    # Public trainers' l[t] would instead count positions 3, 4, 5 of A at step 0, predicting
+    # x[5], x[6] (B's first token!) and beyond: the shift above is the one that stays inside.
+
+
+def test_targets_are_the_final_states_one_ahead(monkeypatch, tiny_cfg: DraftConfig, draft_verifier_dir: Path) -> None:
+    """The verifier hidden state each counted position is trained against: F[t+1+k] of its sample."""
+    H = tiny_cfg.hidden_size
+    batch = _hand_row()
+    batch = {**batch, "aux": torch.zeros(*batch["input_ids"].shape, 3 * H),
+             "final": batch["final"][..., :1].expand(*batch["final"].shape[:2], H).contiguous()}
+    seen = []
+    real = objective_module.soft_cross_entropy
+
+    def spy(normed, head, target_hidden, *rest):
+        seen.append(target_hidden[:, 0].tolist())
+        return real(normed, head, target_hidden, *rest)
+
+    monkeypatch.setattr(objective_module, "soft_cross_entropy", spy)
+    obj = _objective(tiny_cfg, draft_verifier_dir, steps=4)
+    with torch.no_grad():
+        out = obj(batch)
+    # final[t] = first id of the sample + t: A's markers 10 + t, B's 20 + t.
+    assert seen[0] == [10 + 2, 10 + 3, 10 + 4, 20 + 1, 20 + 2]     # positions 1, 2, 3 | 0, 1 -> F[t+1]
+    assert seen[1] == [10 + 2, 10 + 3, 10 + 4, 20 + 2]             # positions 0, 1, 2 | 0 -> F[t+2]
+    assert seen[3] == [10 + 4]
+    assert out.stats.count.tolist() == [5, 4, 2, 1]
+
+
+# ---- chunked soft cross-entropy -------------------------------------------------------------
+def _reference(normed, head, target_hidden, target_head, keep):
+    target = target_hidden @ target_head.T
+    top = target.argmax(-1)
+    if keep is not None:
+        target = target[:, keep]
+    logits = normed @ head.T
+    loss = -(target.softmax(-1) * logits.log_softmax(-1)).sum()
+    pred = logits.argmax(-1)
+    return loss, ((keep[pred] if keep is not None else pred) == top).sum()
+
+
+@pytest.mark.parametrize("pruned", [False, True])
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_chunked_loss_equals_the_unchunked_reference(pruned: bool, chunk: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    N, H, V = 37, 16, 50
+    keep = torch.sort(torch.randperm(V, generator=g)[:20]).values if pruned else None
+    Vd = 20 if pruned else V
+    normed = torch.randn(N, H, generator=g, requires_grad=True)
+    head = torch.randn(Vd, H, generator=g, requires_grad=True)
+    target_hidden, target_head = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g)
+    loss, correct = soft_cross_entropy(normed, head, target_hidden, target_head, keep, chunk)
+    (2.5 * loss).backward()
+    grads = normed.grad.clone(), head.grad.clone()
+    normed.grad = head.grad = None
+    ref_loss, ref_correct = _reference(normed, head, target_hidden, target_head, keep)
+    (2.5 * ref_loss).backward()
+    torch.testing.assert_close(loss.float(), ref_loss, rtol=1e-5, atol=1e-5)
+    assert int(correct) == int(ref_correct)
+    # fp32 sums in another order: a few ulps of the largest entries.
+    torch.testing.assert_close(grads[0], normed.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(grads[1], head.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_chunked_loss_in_bf16_follows_the_fp32_reference() -> None:
+    """bf16 inputs (the GPU recipe): bf16 matmuls, fp32 softmax and accumulation."""
+    g = torch.Generator().manual_seed(1)
+    N, H, V = 29, 32, 64
+    tensors = [torch.randn(N, H, generator=g), torch.randn(V, H, generator=g) / 4,
+               torch.randn(N, H, generator=g), torch.randn(V, H, generator=g) / 4]
+    low = [t.bfloat16().requires_grad_(i < 2) for i, t in enumerate(tensors)]
+    loss, _ = soft_cross_entropy(low[0], low[1], low[2], low[3], None, 8)
+    loss.backward()
+    ref = [t.bfloat16().float().requires_grad_(i < 2) for i, t in enumerate(tensors)]
+    ref_loss, _ = _reference(*ref, None)
+    ref_loss.backward()
+    assert low[0].grad.dtype == low[1].grad.dtype == torch.bfloat16
+    torch.testing.assert_close(loss.float(), ref_loss, rtol=2e-2, atol=0)
+    torch.testing.assert_close(low[0].grad.float(), ref[0].grad, rtol=5e-2, atol=2e-2)
+    torch.testing.assert_close(low[1].grad.float(), ref[1].grad, rtol=5e-2, atol=2e-2)
+
+
+def test_chunked_loss_without_rows_is_zero_with_zero_gradients() -> None:
+    normed = torch.zeros(0, 8, requires_grad=True)
+    head = torch.randn(10, 8, requires_grad=True)
+    loss, correct = soft_cross_entropy(normed, head, torch.zeros(0, 8), torch.randn(10, 8), None, 4)
+    loss.backward()
+    assert loss.item() == 0 and correct.item() == 0 and torch.all(head.grad == 0)
+
+
+# ---- packing ------------------------------------------------------------------------------------
+def test_packed_row_gives_the_loss_and_gradients_of_separate_rows(
+        tiny_cfg: DraftConfig, draft_verifier_dir: Path, train_store: Path) -> None:
+    """Two real samples packed into one row == the same two samples as a batch of two rows."""
+    reader = StoreReader(train_store)
+    samples = [reader.read_sample(ref, torch.float32) for ref in reader.samples()[:2]]
+    parts = [(s.input_ids, s.loss_mask, s.aux, s.final) for s in samples]
+    packed = collate_rows([pack_row(parts, 4096)])
+    separate = collate_rows([pack_row([p], 4096) for p in parts])
+    obj = _objective(tiny_cfg, draft_verifier_dir, steps=3)
+    results = []
+    for batch in (packed, separate):
+        obj.zero_grad()
+        out = obj(batch)
+        out.loss.backward()
+        results.append((out, {n: p.grad.clone() for n, p in obj.named_parameters() if p.requires_grad}))
+    (a, ga), (b, gb) = results
+    assert a.stats.count.tolist() == b.stats.count.tolist() and a.stats.count[0] > 10
+    torch.testing.assert_close(a.loss, b.loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a.stats.loss_sum, b.stats.loss_sum, rtol=1e-5, atol=1e-4)
+    assert a.stats.correct.tolist() == b.stats.correct.tolist()
+    for name in ga:
+        torch.testing.assert_close(ga[name], gb[name], rtol=1e-4, atol=1e-6)
+
+
+def test_pruned_vocabulary_trains_against_the_restricted_target(
+        tiny_cfg: DraftConfig, draft_verifier_dir: Path, train_store: Path) -> None:
+    """With d2t, the loss is the soft CE against the verifier restricted to the kept tokens."""
+    from model.vocab import build_draft_vocab, count_tokens
+
+    reader = StoreReader(train_store)
+    s = reader.read_sample(reader.samples()[0], torch.float32)
+    d2t, _ = build_draft_vocab(count_tokens(s.input_ids, s.loss_mask, tiny_cfg.vocab_size), 256)
+    cfg = dataclasses.replace(tiny_cfg, draft_vocab_size=256)
+    obj = _objective(cfg, draft_verifier_dir, steps=1, d2t=d2t)
+    batch = collate_rows([pack_row([(s.input_ids, s.loss_mask, s.aux, s.final)], 4096)])
+    out = obj(batch)
+    out.loss.backward()
+    _, _, counted = step_inputs(batch, 0)
+    b, t = counted.nonzero(as_tuple=True)
+    keep = torch.arange(256) + d2t
+    with torch.no_grad():
+        draft = obj.draft
+        ids, positions, _ = step_inputs(batch, 0)
+        step = draft.step(ids, draft.project_aux(batch["aux"]), positions, None, batch["segment_ids"])
+        ref, _ = _reference(step.normed[b, t], draft.lm_head.weight, batch["final"][b, t + 1], obj.target_head, keep)
+    torch.testing.assert_close(out.stats.loss_sum[0].float(), ref, rtol=1e-5, atol=1e-4)
+    assert obj.draft.fc.weight.grad is not None and obj.draft.fc.weight.grad.abs().sum() > 0
+
+
+# ---- accept length ----------------------------------------------------------------------------
+def test_simulated_accept_length() -> None:
+    assert simulated_accept_length([1, 1, 1, 1]) == 5
+    assert simulated_accept_length([0, 1, 1]) == 1
+    assert simulated_accept_length([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)

@@ -1,0 +1,215 @@
+"""End-to-end tests of `python -m train` (train/loop.py, train/engine.py) on a small real store.
+
+Single-rank runs go in-process (one gloo process group for the session); the 2-rank run and the
+killed run are subprocesses. Everything is fp32 on the CPU, where DeepSpeed's steps are
+deterministic: a resumed run repeats an uninterrupted one exactly, and 2 ranks match 1 rank with
+twice the accumulation to fp32 rounding of a different reduction order (rtol 1e-5 stated below).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import train.loop as loop
+from dump.store import StoreMismatchError, StoreWriter, verifier_identity
+from model.checkpoint import load_draft
+from model.paths import REPO_ROOT
+from model.config import compose_config
+from train.engine import COMPLETE, NonFiniteLossError, complete_checkpoints, consolidated_checkpoint_state
+from train.metrics import read_jsonl
+from train.objective import Eagle3Objective, ObjectiveOutput
+
+pytestmark = pytest.mark.slow
+
+STEPS = 6
+
+
+def _overrides(store: Path, verifier: Path, *extra: str) -> list[str]:
+    return [f"store_dir={store}", f"verifier.path={verifier}", "train.precision=fp32",
+            "train.max_len=384", "train.micro_batch=1", "train.grad_accum=1", f"train.steps={STEPS}",
+            "train.lr=3e-3", "train.warmup_steps=1", "train.num_workers=1", "train.checkpoint_every=3",
+            "eval.heldout_fraction=0.25", "eval.every=0", *extra]
+
+
+def _fit(run_dir: Path, overrides: list[str]) -> dict:
+    return loop.fit(compose_config("train", overrides), run_dir)
+
+
+def _losses(run_dir: Path) -> list[float]:
+    records = read_jsonl(run_dir / "metrics.jsonl", "train")
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1))
+    return [r["loss"] for r in records]
+
+
+def _command(run_dir: Path, overrides: list[str]) -> list[str]:
+    return [*overrides, f"hydra.run.dir={run_dir}"]
+
+
+_DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _env() -> dict[str, str]:
+    """This process's environment without the process-group variables of its in-process runs
+    (their MASTER_PORT is taken: a child must pick its own)."""
+    return {k: v for k, v in os.environ.items() if k not in _DIST_VARS} | {"OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One math thread here and in the children: on 2 cores shared with other jobs, two OpenMP
+    threads wait on each other (a step is 5-10x slower), and equal thread counts keep the
+    in-process and subprocess runs bit-identical."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---- ZeRO stages, export ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def zero_runs(train_store: Path, draft_verifier_dir: Path, tmp_path_factory) -> dict[str, Path]:
+    runs = {}
+    for stage in ("zero1", "zero2", "zero3"):
+        run = tmp_path_factory.mktemp(stage)
+        _fit(run, _overrides(train_store, draft_verifier_dir, f"deepspeed={stage}"))
+        runs[stage] = run
+    return runs
+
+
+@pytest.mark.parametrize("stage", ["zero1", "zero2", "zero3"])
+def test_each_zero_stage_trains(zero_runs: dict[str, Path], stage: str) -> None:
+    run = zero_runs[stage]
+    losses = _losses(run)
+    assert len(losses) == STEPS and losses[-1] < losses[0]
+    held = read_jsonl(run / "metrics.jsonl", "heldout")[-1]
+    assert held["step"] == STEPS and 1.0 <= held["accept_length"] <= 5.0 and held["tokens_counted"] > 0
+    assert [p.name for p in complete_checkpoints(run / "checkpoints")] == ["step-00000003", "step-00000006"]
+    # The three stages partition differently but compute the same steps.
+    torch.testing.assert_close(losses, _losses(zero_runs["zero1"]), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_export_loads_back_with_the_trained_weights(zero_runs: dict[str, Path], stage: str,
+                                                    draft_verifier_dir: Path) -> None:
+    run = zero_runs[stage]
+    draft = load_draft(run / "draft", draft_verifier_dir)
+    trained = consolidated_checkpoint_state(run / "checkpoints" / "step-00000006")
+    exported = draft.state_dict()
+    assert set(exported) == set(trained)
+    for name, value in trained.items():                        # exported in bf16
+        assert torch.equal(exported[name], value.to(torch.bfloat16).float()), name
+    # On demand: `python -m train export <checkpoint>` writes the same draft.
+    from train.__main__ import export_main
+
+    assert export_main([str(run / "checkpoints" / "step-00000006"), str(run / "again")]) == 0
+    again = load_draft(run / "again")
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in exported.items())
+
+
+def test_bf16_the_default_precision_trains(tmp_path: Path, train_store: Path, draft_verifier_dir: Path) -> None:
+    run = tmp_path / "bf16"
+    summary = _fit(run, _overrides(train_store, draft_verifier_dir, "train.precision=bf16", "train.steps=3"))
+    losses = _losses(run)
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+    assert summary["precision"] == "bf16" and (run / "draft" / "model.safetensors").exists()
+
+
+def test_pruned_vocabulary_run_exports_its_d2t(tmp_path: Path, train_store: Path, draft_verifier_dir: Path) -> None:
+    """draft_vocab_size set: d2t from the training split's loss-masked token counts, in the export."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "pruned"
+    _fit(run, _overrides(train_store, draft_verifier_dir, "draft.draft_vocab_size=1024", "train.steps=2"))
+    d2t = load_file(str(run / "vocab.safetensors"))["d2t"]
+    draft = load_draft(run / "draft", draft_verifier_dir)
+    assert draft.config.draft_vocab_size == 1024 and draft.lm_head.weight.shape[0] == 1024
+    assert torch.equal(draft.d2t, d2t)
+    assert draft.config.eos_token_id in (torch.arange(1024) + d2t).tolist()      # always kept
+    held = read_jsonl(run / "metrics.jsonl", "heldout")[-1]
+    assert 1.0 <= held["accept_length"] <= 5.0
+
+
+# ---- refusal, NaN ---------------------------------------------------------------------------------
+def test_mismatched_store_is_refused_before_any_compute(tmp_path: Path, draft_verifier_dir: Path,
+                                                        monkeypatch) -> None:
+    cfg = compose_config("dump")
+    H = cfg.verifier.architecture.hidden_size
+    store = tmp_path / "store"
+    with StoreWriter(store, verifier_identity(draft_verifier_dir, "kimi-tiny"), [1, 4, 5], cfg.store, {},
+                     aux_convention="vllm", rank=0, world_size=1) as writer:
+        writer.add("s0", torch.arange(8), torch.ones(8, dtype=torch.bool), torch.zeros(8, 3, H), torch.zeros(8, H))
+
+    def no_compute(*_):
+        raise AssertionError("the model was built for a mismatched store")
+
+    monkeypatch.setattr(loop, "build_objective", no_compute)
+    with pytest.raises(StoreMismatchError, match=r"aux layer ids .*store has \[1, 4, 5\].*expects \[2, 4, 5\]"):
+        _fit(tmp_path / "run", _overrides(store, draft_verifier_dir))
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path: Path, train_store: Path,
+                                                           draft_verifier_dir: Path, monkeypatch) -> None:
+    real = Eagle3Objective.forward
+    calls = []
+
+    def nan_at_third_step(self, batch, steps=None):
+        out = real(self, batch, steps)
+        calls.append(1)
+        return ObjectiveOutput(out.loss * float("nan"), out.stats) if len(calls) == 3 else out
+
+    monkeypatch.setattr(Eagle3Objective, "forward", nan_at_third_step)
+    run = tmp_path / "run"
+    with pytest.raises(NonFiniteLossError, match=r"at step 3: stopped .* last good checkpoint is .*step-00000002"):
+        _fit(run, _overrides(train_store, draft_verifier_dir, "train.checkpoint_every=2"))
+    assert [p.name for p in complete_checkpoints(run / "checkpoints")] == ["step-00000002"]
+    assert len(_losses(run)) == 2
+    assert not (run / "draft").exists()
+
+
+# ---- 2 ranks, resume after SIGKILL ----------------------------------------------------------------
+def test_two_ranks_match_one_rank_with_the_same_global_batch(tmp_path: Path, train_store: Path,
+                                                             draft_verifier_dir: Path) -> None:
+    """1 rank x grad_accum 2 vs 2 ranks (torchrun, gloo) x grad_accum 1: the same rows per step."""
+    one = tmp_path / "one"
+    _fit(one, _overrides(train_store, draft_verifier_dir, "train.grad_accum=2", "train.steps=4"))
+    two = tmp_path / "two"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "train",
+                    *_command(two, _overrides(train_store, draft_verifier_dir, "train.steps=4"))],
+                   cwd=REPO_ROOT, env=_env(), check=True, timeout=600, capture_output=True)
+    # fp32; the sum over ranks is reduced in another order than the sum over micro-steps.
+    torch.testing.assert_close(_losses(two), _losses(one), rtol=1e-5, atol=0)
+    a, b = (read_jsonl(r / "metrics.jsonl", "heldout")[-1] for r in (one, two))
+    assert a["tokens_counted"] == b["tokens_counted"]
+    assert a["accept_length"] == pytest.approx(b["accept_length"], rel=1e-5)
+
+
+def test_sigkill_then_resume_repeats_the_uninterrupted_run(tmp_path: Path, train_store: Path,
+                                                          draft_verifier_dir: Path) -> None:
+    overrides = _overrides(train_store, draft_verifier_dir, "train.steps=10", "train.checkpoint_every=2")
+    reference = tmp_path / "reference"
+    _fit(reference, overrides)
+    run = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "train", *_command(run, overrides)], cwd=REPO_ROOT,
+                            env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 300
+    while not (run / "checkpoints" / "step-00000002" / COMPLETE).exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)                       # the trainer and its loader workers
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    killed_at = len(_losses(run))
+    assert killed_at < 10
+    subprocess.run([sys.executable, "-m", "train", *_command(run, [*overrides, "train.resume=auto"])],
+                   cwd=REPO_ROOT, env=_env(), check=True, timeout=600, capture_output=True)
+    torch.testing.assert_close(_losses(run), _losses(reference), rtol=1e-6, atol=0)
+    a, b = (read_jsonl(r / "metrics.jsonl", "heldout")[-1] for r in (reference, run))
+    assert a["accept_length"] == pytest.approx(b["accept_length"], rel=1e-6)

@@ -1,0 +1,78 @@
+"""`python -m train [hydra overrides]` trains a draft; `python -m train export <checkpoint> [out]`
+exports any DeepSpeed checkpoint of a run as a vLLM draft folder.
+
+    python -m train                                      kimi-tiny on `make dump`'s store
+    python -m train train.steps=50 deepspeed=zero3       any value of conf/train.yaml
+    python -m train -m train.ttt.steps=1,4               a Hydra sweep (one run per value)
+    python -m train hydra.run.dir=<run> train.resume=auto  continue a killed run from its newest checkpoint
+    torchrun --standalone --nproc_per_node 2 -m train    two ranks (see train/engine.py for more)
+
+Exit status 3: the loss became NaN/Inf (the message names the last good checkpoint).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+import model  # noqa: F401  (offline/cache environment first)
+
+logger = logging.getLogger("train")
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="train")
+def train_main(cfg: DictConfig) -> None:
+    from train.engine import NonFiniteLossError
+    from train.loop import fit
+
+    try:
+        summary = fit(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except NonFiniteLossError as error:
+        logger.error("%s", error)
+        print(f"train stopped: {error}", file=sys.stderr)
+        sys.exit(3)
+    if summary["rank"] != 0:
+        return
+    held = summary["heldout"]
+    K = sum(1 for key in held if key.startswith("acc_"))
+    accs = ", ".join(f"{held[f'acc_{k}']:.3f}" for k in range(K))
+    print(f"train done: {summary['steps']} steps, held-out accept length {held['accept_length']:.3f} "
+          f"(top-1 per step {accs}), {summary['train_tokens_per_s'] or 0:.0f} tokens/s; "
+          f"draft {summary['exported']}; run {summary['run_dir']}")
+
+
+def export_main(argv: list[str]) -> int:
+    """Export a checkpoint folder (<run>/checkpoints/step-N) without a process group."""
+    import torch
+    from safetensors.torch import load_file
+
+    from model.checkpoint import draft_config_from_json, export_draft
+    from train.engine import consolidated_checkpoint_state, draft_from_state, resolve_resume
+    from train.loop import DRAFT_CONFIG, EXPORT_DIR, VOCAB
+
+    parser = argparse.ArgumentParser(prog="python -m train export",
+                                     description="Export a training checkpoint as a vLLM draft.")
+    parser.add_argument("checkpoint", type=Path, help="a checkpoint folder, or a run folder (newest checkpoint)")
+    parser.add_argument("out", type=Path, nargs="?", help="default: <checkpoint>/draft")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    args = parser.parse_args(argv)
+    folder = resolve_resume(str(args.checkpoint), args.checkpoint)
+    run_dir = folder.parent.parent
+    cfg = draft_config_from_json(json.loads((run_dir / DRAFT_CONFIG).read_text()))
+    d2t = load_file(str(run_dir / VOCAB))["d2t"] if (run_dir / VOCAB).exists() else None
+    draft = draft_from_state(cfg, consolidated_checkpoint_state(folder), d2t)
+    out = export_draft(draft, args.out or folder / EXPORT_DIR, getattr(torch, args.dtype))
+    print(f"exported {folder} -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "export":
+        sys.exit(export_main(sys.argv[2:]))
+    train_main()

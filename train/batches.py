@@ -1,0 +1,261 @@
+"""Packed training rows from the dump's store, read through dump/store.py's StoreReader only.
+
+A row concatenates whole samples (each cut to `max_len` tokens) up to `max_len` tokens:
+
+    input_ids    [L] int64
+    loss_mask    [L] bool      1 iff the token was written by the assistant (as stored)
+    aux          [L, n_aux*H]  bf16, the aux layers concatenated in aux_layer_ids order
+    final        [L, H]        bf16, the verifier's post-norm final hidden state
+    position_ids [L] int64     restart at 0 in every sample
+    segment_ids  [L] int64     0, 1, ... one id per sample of the row
+
+A micro-batch stacks rows, padded at the end to its longest: padding has segment id -1 (no
+sample uses it, so attention never mixes it with a sample) and loss_mask False.
+
+Order. The training rows form an endless stream: epoch e shuffles the training samples with
+(seed, e) and packs them next-fit, in that order, into rows. Optimizer step s takes the rows
+s*R .. (s+1)*R - 1 of the stream, R = micro_batch * grad_accum * world_size, and rank r at
+micro-step m takes rows s*R + (m*world_size + r)*micro_batch + j. The stream depends only on
+the store and the seed, so a resumed run picks it up at its step without reading anything
+before, and 1 rank with grad_accum 2 sees the same rows per step as 2 ranks with grad_accum 1.
+
+Split. A sample is held out for evaluation when `dump.conversations.is_held_out` says so for
+its conversation (ShareGPT parts "id_3" count as "id", as the dump's own split does), with the
+fraction and seed of conf/train.yaml: stable whatever the store's order or size.
+"""
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from dump.conversations import is_held_out, sharegpt_split_key
+from dump.store import SampleRef, StoreMismatchError, StoreReader, verifier_identity
+from model.checkpoint import to_vllm_aux_ids
+from model.draft import DraftConfig
+
+Batch = dict[str, Tensor]
+PAD_SEGMENT = -1
+
+
+# ---- the store against the draft ---------------------------------------------------------
+def check_store(reader: StoreReader, draft: DraftConfig, verifier_dir: Path) -> None:
+    """Refuse a store the draft cannot learn from, before any compute: another verifier (config or
+    tokenizer hash, vs the verifier folder the draft config points to), hidden size, vocabulary
+    or aux layers (compared in the vLLM convention)."""
+    store = reader.identity
+    here = verifier_identity(verifier_dir, str(store.get("name")))
+    problems = [f"verifier {key}: store has {store.get(key)!r}, {verifier_dir} has {here[key]!r}"
+                for key in ("config_sha256", "tokenizer_sha256", "num_hidden_layers")
+                if store.get(key) != here[key]]
+    if reader.hidden_size != draft.target_hidden_size:
+        problems.append(f"hidden size: store has {reader.hidden_size}, the draft expects "
+                        f"{draft.target_hidden_size}")
+    if int(store["vocab_size"]) != draft.vocab_size:
+        problems.append(f"vocabulary: store has {store['vocab_size']} tokens, the draft expects "
+                        f"{draft.vocab_size}")
+    try:
+        store_aux = to_vllm_aux_ids(reader.aux_layer_ids, reader.aux_convention,
+                                    int(store["num_hidden_layers"]))
+    except ValueError as error:
+        store_aux = f"unreadable ({error})"
+    if store_aux != list(draft.aux_layer_ids):
+        problems.append(f"aux layer ids (vLLM convention): store has {store_aux}, the draft "
+                        f"expects {list(draft.aux_layer_ids)}")
+    if problems:
+        raise StoreMismatchError(f"store {reader.path} does not match the draft config (verifier "
+                                 f"{verifier_dir}): " + "; ".join(problems)
+                                 + ". Dump a store with this verifier, or point `store_dir=` at one.")
+
+
+# ---- split -------------------------------------------------------------------------------
+def split_key_of(reader: StoreReader) -> Callable[[str], str]:
+    """Sample id -> the conversation it belongs to (ShareGPT cuts conversations into parts)."""
+    data = reader.dump_config.get("data") or {}
+    return sharegpt_split_key if data.get("format") == "sharegpt" else (lambda sample_id: sample_id)
+
+
+def split_samples(refs: Sequence[SampleRef], fraction: float, seed: int,
+                  key: Callable[[str], str]) -> tuple[list[SampleRef], list[SampleRef]]:
+    """(train, held-out) refs, in store order."""
+    train, heldout = [], []
+    for ref in refs:
+        (heldout if is_held_out(key(ref.sample_id), fraction, seed) else train).append(ref)
+    return train, heldout
+
+
+# ---- packing -----------------------------------------------------------------------------
+def pack_next_fit(lengths: Sequence[int], max_len: int) -> list[list[int]]:
+    """Indices into `lengths`, in order, grouped into rows of at most max_len tokens (each length
+    counted as min(length, max_len)); a row closes when the next sample does not fit."""
+    rows: list[list[int]] = []
+    row: list[int] = []
+    used = 0
+    for i, n in enumerate(lengths):
+        n = min(n, max_len)
+        if row and used + n > max_len:
+            rows.append(row)
+            row, used = [], 0
+        row.append(i)
+        used += n
+    if row:
+        rows.append(row)
+    return rows
+
+
+class RowStream:
+    """The endless stream of training rows: epoch after epoch, each shuffled with (seed, epoch)."""
+
+    def __init__(self, lengths: Sequence[int], max_len: int, seed: int) -> None:
+        if not lengths:
+            raise ValueError("no training samples: the store is empty or all of it is held out")
+        self.lengths, self.max_len, self.seed = list(lengths), max_len, seed
+        self._epochs: list[list[list[int]]] = []
+        self._starts: list[int] = [0]               # stream index of each epoch's first row
+
+    def _epoch(self, e: int) -> list[list[int]]:
+        while len(self._epochs) <= e:
+            order = list(range(len(self.lengths)))
+            random.Random(f"{self.seed}:{len(self._epochs)}").shuffle(order)
+            packed = pack_next_fit([self.lengths[i] for i in order], self.max_len)
+            self._epochs.append([[order[i] for i in row] for row in packed])
+            self._starts.append(self._starts[-1] + len(self._epochs[-1]))
+        return self._epochs[e]
+
+    def row(self, i: int) -> tuple[int, list[int]]:
+        """(epoch, sample indices) of stream row i."""
+        e = 0
+        while True:
+            rows = self._epoch(e)
+            if i < self._starts[e + 1]:
+                return e, rows[i - self._starts[e]]
+            e += 1
+
+
+def rank_rows(stream: RowStream, start_step: int, end_step: int, micro_batch: int, grad_accum: int,
+              rank: int, world_size: int) -> list[tuple[int, list[int]]]:
+    """This rank's rows for optimizer steps [start_step, end_step), in the order it consumes them."""
+    per_step = micro_batch * grad_accum * world_size
+    out = []
+    for step in range(start_step, end_step):
+        for m in range(grad_accum):
+            first = step * per_step + (m * world_size + rank) * micro_batch
+            out += [stream.row(first + j) for j in range(micro_batch)]
+    return out
+
+
+# ---- reading rows ------------------------------------------------------------------------
+class PackedRows(Dataset):
+    """Rows of samples read from the store; each DataLoader worker opens its own reader."""
+
+    def __init__(self, store: Path, refs: Sequence[SampleRef], rows: Sequence[Sequence[int]],
+                 max_len: int) -> None:
+        self.store, self.refs, self.rows, self.max_len = Path(store), list(refs), list(rows), max_len
+        self._reader: StoreReader | None = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> Batch:
+        if self._reader is None:  # opened lazily: in the worker process, not pickled into it
+            self._reader = StoreReader(self.store)
+        samples = [self._reader.read_sample(self.refs[j]) for j in self.rows[i]]
+        return pack_row([(s.input_ids, s.loss_mask, s.aux, s.final) for s in samples], self.max_len)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__ | {"_reader": None}
+
+
+def pack_row(samples: Sequence[tuple[Tensor, Tensor, Tensor, Tensor]], max_len: int) -> Batch:
+    """(input_ids [T], loss_mask [T], aux [T, n_aux, H], final [T, H]) per sample -> one row."""
+    parts: dict[str, list[Tensor]] = {k: [] for k in ("input_ids", "loss_mask", "aux", "final",
+                                                      "position_ids", "segment_ids")}
+    for seg, (ids, mask, aux, final) in enumerate(samples):
+        T = min(len(ids), max_len)
+        parts["input_ids"].append(ids[:T].long())
+        parts["loss_mask"].append(mask[:T].bool())
+        parts["aux"].append(aux[:T].flatten(1))                       # [T, n_aux*H]
+        parts["final"].append(final[:T])
+        parts["position_ids"].append(torch.arange(T))
+        parts["segment_ids"].append(torch.full((T,), seg, dtype=torch.long))
+    row = {k: torch.cat(v) for k, v in parts.items()}
+    if len(row["input_ids"]) > max_len:
+        raise ValueError(f"a packed row of {len(row['input_ids'])} tokens exceeds max_len {max_len}")
+    return row
+
+
+_PAD = {"input_ids": 0, "loss_mask": False, "aux": 0.0, "final": 0.0, "position_ids": 0,
+        "segment_ids": PAD_SEGMENT}
+
+
+def collate_rows(rows: Sequence[Batch]) -> Batch:
+    """Rows -> a micro-batch [B, L, ...], padded at the end to the longest row."""
+    L = max(len(r["input_ids"]) for r in rows)
+    out = {}
+    for key, fill in _PAD.items():
+        first = rows[0][key]
+        batch = first.new_full((len(rows), L, *first.shape[1:]), fill)
+        for b, r in enumerate(rows):
+            batch[b, :len(r[key])] = r[key]
+        out[key] = batch
+    return out
+
+
+def _worker_init(_: int) -> None:
+    torch.set_num_threads(1)  # workers decode and copy; the trainer's threads do the math
+
+
+def make_loader(dataset: PackedRows, micro_batch: int, num_workers: int, prefetch_factor: int
+                ) -> DataLoader:
+    """In-order micro-batches; workers read ahead so reading overlaps compute."""
+    extra = {"prefetch_factor": prefetch_factor, "persistent_workers": False,
+             "worker_init_fn": _worker_init} if num_workers > 0 else {}
+    return DataLoader(dataset, batch_size=micro_batch, shuffle=False, num_workers=num_workers,
+                      collate_fn=collate_rows, drop_last=False, pin_memory=torch.cuda.is_available(),
+                      **extra)
+
+
+@dataclass
+class StoreSplit:
+    """The store opened once: its samples split into training and held-out refs."""
+
+    path: Path
+    reader: StoreReader
+    train: list[SampleRef]
+    heldout: list[SampleRef]
+
+    @classmethod
+    def open(cls, path: Path, heldout_fraction: float, heldout_seed: int) -> StoreSplit:
+        reader = StoreReader(path)
+        train, heldout = split_samples(reader.samples(), heldout_fraction, heldout_seed,
+                                       split_key_of(reader))
+        return cls(Path(path), reader, train, heldout)
+
+    def train_stream(self, max_len: int, seed: int) -> RowStream:
+        return RowStream([r.num_tokens for r in self.train], max_len, seed)
+
+    def eval_rows(self, max_len: int, rank: int, world_size: int) -> list[tuple[list[int], bool]]:
+        """(row, counted) pairs: held-out samples packed in store order, rank r taking every
+        world_size-th row. Every rank gets the same number of rows (ZeRO-3 gathers weights in
+        every forward, all ranks together): the short ones repeat a row with counted False."""
+        rows = pack_next_fit([r.num_tokens for r in self.heldout], max_len)
+        if not rows:
+            raise ValueError("no held-out samples: raise eval.heldout_fraction or use a larger store")
+        mine = [(row, True) for row in rows[rank::world_size]]
+        per_rank = math.ceil(len(rows) / world_size)
+        filler = mine[0][0] if mine else rows[0]
+        return mine + [(filler, False)] * (per_rank - len(mine))
+
+
+def iterate_token_masks(reader: StoreReader, refs: Sequence[SampleRef]) -> Iterator[tuple[Tensor, Tensor]]:
+    """(input_ids [T], loss_mask [T]) of each sample (for the pruned vocabulary's counts)."""
+    for ref in refs:
+        sample = reader.read_sample(ref)
+        yield sample.input_ids, sample.loss_mask

@@ -1,0 +1,34 @@
+"""Held-out evaluation: per-step loss, top-1 agreement and the simulated accept length.
+
+The draft runs its TTT chain on held-out samples exactly as in training (ground-truth ids, its
+own hidden states fed back), for `eval.ttt_steps` steps whatever it was trained with, so drafts
+trained with different TTT depths are compared on the same chain. acc_k = share of counted
+positions where the draft's top-1 equals the verifier's at step k; the accept length of greedy
+chain drafting is then 1 + sum_k prod_{i<=k} acc_i (train/objective.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from train.engine import all_reduce_sum
+from train.metrics import step_metrics
+
+
+@torch.no_grad()
+def evaluate(engine, batches: Iterable[dict[str, torch.Tensor]], counted: Iterable[bool],
+             steps: int) -> dict[str, float]:
+    """Metrics over the held-out micro-batches of all ranks (collective: every rank runs as many
+    batches; those with counted False only keep ZeRO-3's gathers in step and add nothing)."""
+    was_training = engine.module.training
+    engine.eval()
+    total = torch.zeros(3, steps, dtype=torch.float64, device=engine.device)
+    for batch, keep in zip(batches, counted, strict=True):
+        batch = {k: v.to(engine.device, non_blocking=True) for k, v in batch.items()}
+        stats = engine(batch, steps).stats.stacked().to(total.device)
+        if keep:
+            total += stats
+    all_reduce_sum(total)
+    engine.train(was_training)
+    return step_metrics(total)

@@ -1,0 +1,217 @@
+"""One training run: store -> packed rows -> DeepSpeed steps -> evaluation -> exported draft.
+
+    fit(cfg, run_dir) -> summary dict (also written to <run dir>/summary.json)
+
+The run folder (Hydra's output dir; rank 0's, shared with every rank) holds metrics.jsonl,
+tensorboard/, checkpoints/, draft_config.json (+ vocab.safetensors for a pruned vocabulary), and
+draft/ (the exported vLLM checkpoint).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from model.checkpoint import draft_config_json, export_draft
+from model.draft import DraftConfig, build_draft
+from model.paths import resolve
+from model.verifier import verifier_dir
+from model.verifier_weights import read_token_ids, read_verifier_head
+from model.vocab import build_draft_vocab, count_tokens
+from train import engine as E
+from train.batches import (PackedRows, StoreSplit, check_store, iterate_token_masks, make_loader,
+                           rank_rows)
+from train.evaluate import evaluate
+from train.metrics import RunLog, step_metrics
+from train.objective import Eagle3Objective, ObjectiveConfig
+
+logger = logging.getLogger(__name__)
+
+DRAFT_CONFIG = "draft_config.json"
+VOCAB = "vocab.safetensors"
+SUMMARY = "summary.json"
+EXPORT_DIR = "draft"
+
+
+@dataclass
+class RunSetup:
+    """What the loop needs, built in an order that refuses a bad store before any compute."""
+
+    draft_cfg: DraftConfig
+    split: StoreSplit
+    verifier: Path
+    d2t: torch.Tensor | None
+    total_steps: int
+    rows_per_step: int
+
+
+def _objective_config(cfg: DictConfig, steps: int | None = None) -> ObjectiveConfig:
+    return ObjectiveConfig(steps=int(steps or cfg.train.ttt.steps), decay=float(cfg.train.ttt.decay),
+                           chunk_bytes=int(cfg.train.loss.chunk_bytes))
+
+
+def _pruned_vocab(cfg: DraftConfig, split: StoreSplit, run_dir: Path, verifier: Path) -> torch.Tensor:
+    """d2t of the draft vocabulary: the most frequent loss-masked tokens of the training split.
+
+    Rank 0 counts and writes <run dir>/vocab.safetensors; a resumed run reads it back."""
+    path = run_dir / VOCAB
+    if dist.get_rank() == 0 and not path.exists():
+        counts = torch.zeros(cfg.vocab_size, dtype=torch.long)
+        for ids, mask in iterate_token_masks(split.reader, split.train):
+            counts += count_tokens(ids, mask, cfg.vocab_size)
+        eos = read_token_ids(verifier)["eos_token_id"]
+        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        d2t, _ = build_draft_vocab(counts, cfg.draft_vocab_size, always_include=eos)
+        save_file({"d2t": d2t}, str(path))
+    dist.barrier()
+    return load_file(str(path))["d2t"]
+
+
+def prepare(cfg: DictConfig, run_dir: Path, world_size: int) -> RunSetup:
+    verifier = verifier_dir(cfg.verifier)
+    draft_cfg = DraftConfig.from_conf(cfg.draft, verifier)
+    split = StoreSplit.open(resolve(cfg.store_dir), float(cfg.eval.heldout_fraction), int(cfg.eval.heldout_seed))
+    check_store(split.reader, draft_cfg, verifier)           # before any compute
+    t = cfg.train
+    rows_per_step = int(t.micro_batch) * int(t.grad_accum) * world_size
+    if t.steps is not None:
+        total = int(t.steps)
+    else:
+        epoch_rows = len(split.train_stream(int(t.max_len), int(cfg.seed))._epoch(0))
+        total = math.ceil(float(t.epochs) * epoch_rows / rows_per_step)
+    d2t = _pruned_vocab(draft_cfg, split, run_dir, verifier) if draft_cfg.pruned else None
+    if dist.get_rank() == 0:
+        (run_dir / DRAFT_CONFIG).write_text(json.dumps(draft_config_json(draft_cfg), indent=2) + "\n")
+    return RunSetup(draft_cfg, split, verifier, d2t, total, rows_per_step)
+
+
+def build_objective(setup: RunSetup, cfg: DictConfig) -> Eagle3Objective:
+    torch.manual_seed(int(cfg.seed))                          # same initial draft on every rank
+    draft = build_draft(setup.draft_cfg)
+    if setup.d2t is not None:
+        draft.set_vocab(setup.d2t)
+    draft.load_verifier_head(setup.verifier)
+    target_head = read_verifier_head(setup.verifier, torch.float32).lm_head  # [V, H]
+    return Eagle3Objective(draft, target_head, _objective_config(cfg))
+
+
+def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def train_step(engine, batches: Iterator[dict[str, torch.Tensor]], grad_accum: int, steps: int,
+               step: int, last_checkpoint: Path | None) -> tuple[torch.Tensor, float, float]:
+    """One optimizer step over grad_accum micro-batches: (stats [3, K] summed over ranks,
+    mean micro-batch loss over ranks, tokens of all ranks). Stops on a non-finite loss."""
+    device = engine.device
+    stats = torch.zeros(3, steps, dtype=torch.float64, device=device)
+    sums = torch.zeros(2, dtype=torch.float64, device=device)          # loss, tokens
+    for _ in range(grad_accum):
+        batch = _to(next(batches), device)
+        out = engine(batch)
+        E.check_finite(out.loss.detach(), step, last_checkpoint)
+        engine.backward(out.loss)
+        engine.step()                                                   # optimizer only on the last
+        stats += out.stats.stacked().to(device)
+        sums += torch.stack((out.loss.detach().double(), (batch["segment_ids"] >= 0).sum().double()))
+    E.all_reduce_sum(stats)
+    E.all_reduce_sum(sums)
+    return stats, sums[0].item() / (grad_accum * dist.get_world_size()), sums[1].item()
+
+
+def run_evaluation(engine, setup: RunSetup, cfg: DictConfig, rank: int, world: int) -> dict[str, float]:
+    plan = setup.split.eval_rows(int(cfg.train.max_len), rank, world)
+    rows = PackedRows(setup.split.path, setup.split.heldout, [r for r, _ in plan], int(cfg.train.max_len))
+    loader = make_loader(rows, 1, int(cfg.train.num_workers), int(cfg.train.prefetch_factor))
+    return evaluate(engine, loader, [c for _, c in plan], int(cfg.eval.ttt_steps))
+
+
+def export_run(engine, setup: RunSetup, run_dir: Path, dtype: torch.dtype) -> str | None:
+    """<run dir>/draft through model.checkpoint.export_draft (rank 0; a collective under ZeRO-3)."""
+    state = E.gathered_draft_state(engine)
+    out = None
+    if dist.get_rank() == 0:
+        draft = E.draft_from_state(setup.draft_cfg, state, setup.d2t)
+        out = str(export_draft(draft, run_dir / EXPORT_DIR, dtype))
+    dist.barrier()
+    return out
+
+
+def fit(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    """Train (or resume) one run into run_dir; returns the summary."""
+    if cfg.train.threads:
+        torch.set_num_threads(int(cfg.train.threads))
+    rank, world = E.init_distributed()
+    run_dir = Path(E.broadcast_object(str(Path(run_dir).resolve())))    # rank 0's folder for all
+    run_dir.mkdir(parents=True, exist_ok=True)
+    setup = prepare(cfg, run_dir, world)
+    t, K, accum = cfg.train, int(cfg.train.ttt.steps), int(cfg.train.grad_accum)
+    engine = E.initialize(build_objective(setup, cfg), cfg, setup.total_steps)
+    ckpt_root = run_dir / E.CHECKPOINTS
+    resume_from = E.resolve_resume(t.resume, ckpt_root)
+    start = E.load_checkpoint(engine, resume_from) if resume_from else 0
+    if resume_from:
+        logger.info("resumed from %s at step %d", resume_from, start)
+    last_ckpt = resume_from
+    log = RunLog(run_dir, rank == 0, start)
+
+    stream = setup.split.train_stream(int(t.max_len), int(cfg.seed))
+    plan = rank_rows(stream, start, setup.total_steps, int(t.micro_batch), accum, rank, world)
+    rows = PackedRows(setup.split.path, setup.split.train, [r for _, r in plan], int(t.max_len))
+    batches = iter(make_loader(rows, int(t.micro_batch), int(t.num_workers), int(t.prefetch_factor)))
+    rows_per_rank_step = accum * int(t.micro_batch)
+    bar = tqdm(total=setup.total_steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
+               disable=rank != 0)
+    heldout: dict[str, float] = {}
+    tokens_total, time_total = 0.0, 0.0
+    try:
+        for step in range(start, setup.total_steps):
+            lr = engine.get_lr()[0]                        # the lr this step applies
+            began = time.perf_counter()
+            stats, loss, tokens = train_step(engine, batches, accum, K, step, last_ckpt)
+            elapsed = time.perf_counter() - began
+            tokens_total, time_total = tokens_total + tokens, time_total + elapsed
+            done = step + 1
+            grad_norm = engine.get_global_grad_norm()
+            record = {"loss": loss, **step_metrics(stats), "lr": lr,
+                      "grad_norm": None if grad_norm is None else float(grad_norm),
+                      "tokens": tokens, "tokens_per_s": tokens / elapsed,
+                      "epoch": plan[(done - start) * rows_per_rank_step - 1][0]}
+            if done % int(t.log_every) == 0 or done == setup.total_steps:
+                log.write("train", done, record)
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}", acc0=f"{record['acc_0']:.3f}", tok_s=f"{tokens / elapsed:.0f}")
+            if done % int(t.checkpoint_every) == 0 or done == setup.total_steps:
+                last_ckpt = E.save_checkpoint(engine, ckpt_root, done, int(t.keep_checkpoints), {"loss": loss})
+            if (cfg.eval.every and done % int(cfg.eval.every) == 0) or done == setup.total_steps:
+                heldout = run_evaluation(engine, setup, cfg, rank, world)
+                log.write("heldout", done, heldout)
+                accs = ", ".join(f"{heldout[f'acc_{k}']:.3f}" for k in range(int(cfg.eval.ttt_steps)))
+                if rank == 0:
+                    bar.write(f"step {done}: held-out accept length {heldout['accept_length']:.3f} (top-1 {accs})")
+        if not heldout:                                   # a resumed run that had already finished
+            heldout = run_evaluation(engine, setup, cfg, rank, world)
+        exported = export_run(engine, setup, run_dir, getattr(torch, t.export_dtype)) if t.export else None
+    finally:
+        bar.close()
+        log.close()
+    summary = {"run_dir": str(run_dir), "rank": rank, "world_size": world, "steps": setup.total_steps,
+               "resumed_from": str(resume_from) if resume_from else None, "zero_stage": E.zero_stage(engine),
+               "precision": t.precision, "train_tokens_per_s": tokens_total / time_total if time_total else None,
+               "heldout": heldout, "exported": exported, "last_checkpoint": str(last_ckpt) if last_ckpt else None,
+               "config": OmegaConf.to_container(cfg, resolve=True)}
+    if rank == 0:
+        (run_dir / SUMMARY).write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    engine.destroy()
+    return summary

@@ -1,0 +1,76 @@
+"""Where a run's numbers go: a JSONL log and TensorBoard scalars in the run folder (rank 0 only).
+
+metrics.jsonl holds one JSON object per line: {"split": "train" | "heldout", "step": s, ...}.
+A resumed run first drops the lines of steps after its checkpoint (a killed run may have logged
+a few more), so the file always reads as one uninterrupted run.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from train.objective import simulated_accept_length
+
+JSONL = "metrics.jsonl"
+TENSORBOARD = "tensorboard"
+
+
+def step_metrics(stats: Tensor, prefix: str = "") -> dict[str, float]:
+    """stats [3, K] (loss sums, top-1 agreements, counts over batches and ranks) -> per-step loss
+    and top-1 agreement, and the simulated accept length those agreements give."""
+    loss_sum, correct, count = stats.double().cpu()
+    out: dict[str, float] = {}
+    acc = []
+    for k in range(stats.shape[1]):
+        n = float(count[k])
+        out[f"{prefix}loss_{k}"] = float(loss_sum[k]) / n if n else math.nan
+        acc.append(float(correct[k]) / n if n else 0.0)
+        out[f"{prefix}acc_{k}"] = acc[-1]
+    out[f"{prefix}accept_length"] = simulated_accept_length(acc)
+    out[f"{prefix}tokens_counted"] = float(count[0])
+    return out
+
+
+class RunLog:
+    """JSONL + TensorBoard writer of rank 0; other ranks get one that does nothing."""
+
+    def __init__(self, run_dir: Path, enabled: bool, resume_step: int = 0) -> None:
+        self.enabled = enabled
+        self.path = Path(run_dir) / JSONL
+        self._tb = None
+        if not enabled:
+            return
+        if self.path.exists():
+            self._truncate_after(resume_step)
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._tb = SummaryWriter(str(Path(run_dir) / TENSORBOARD), purge_step=resume_step + 1)
+
+    def _truncate_after(self, step: int) -> None:
+        kept = [line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, split: str, step: int, values: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {"split": split, "step": step, **values}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        for key, value in values.items():
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self._tb.add_scalar(f"{split}/{key}", value, step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_jsonl(path: Path, split: str | None = None) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl (of one split when given)."""
+    records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [r for r in records if split is None or r["split"] == split]

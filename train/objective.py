@@ -1,0 +1,250 @@
+"""The training objective: TTT unrolled over K steps, chunked soft cross-entropy, per-step metrics.
+
+Alignment (facts file section 1), for one sample x[0..T-1] with loss mask l, aux states A and
+the verifier's final hidden states F (softmax(lm_head(F_t)) = p(x_{t+1} | x<=t)):
+
+    step k, position t:  input    [embed(x_{t+1+k}), h_k(t)]    h_0 = fc(A_t), h_{k+1} = pre-norm output of step k
+                         position position_ids[t] + k
+                         target   softmax(lm_head_T(F_{t+1+k})) = p(x_{t+2+k} | x<=t+1+k)
+                         counted  iff l[t+2+k] = 1 and t+2+k is inside the sample
+
+The mask is the predicted token's: a position counts iff the token its target distribution
+predicts (x_{t+2+k}) was written by the assistant. So the loss covers every assistant token,
+from the first of a turn to its closing <|im_end|>, and never the prediction of the next turn's
+header. (Public trainers index the mask two positions earlier, l[t], which drops the first two
+tokens of every answer and counts two past its end; the shift is tested on a hand-built row.)
+Ids, mask and target shift by one more per step and never cross into the next packed sample.
+
+Loss: step k's soft cross-entropy -sum_v p_T(v) log q_k(v), averaged over its counted positions
+of the micro-batch, weighted w_k = decay^k and summed over steps. With a pruned draft vocabulary
+the target is the verifier's distribution restricted to the draft's tokens (t2d) and renormalised;
+top-1 agreement always compares with the verifier's argmax over the full vocabulary.
+
+Memory: logits exist only for `chunk` tokens at a time ([chunk, V] fp32 blocks of about
+`chunk_bytes`), in the forward and in the backward, which recomputes them (ChunkedSoftCE).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from model.draft import Eagle3Draft
+from model.vocab import target_ids_of
+
+
+@dataclass(frozen=True)
+class ObjectiveConfig:
+    steps: int                 # TTT steps K
+    decay: float               # step k weighs decay**k
+    chunk_bytes: int           # bytes of one [chunk, V] fp32 logits block
+
+    def weights(self, steps: int | None = None) -> list[float]:
+        return [self.decay ** k for k in range(steps or self.steps)]
+
+    def chunk_tokens(self, vocab_size: int) -> int:
+        return max(1, self.chunk_bytes // (4 * vocab_size))
+
+
+class StepStats(NamedTuple):
+    """Per TTT step sums over the counted positions; add them up over batches and ranks."""
+
+    loss_sum: Tensor   # [K] float64, sum of soft cross-entropies
+    correct: Tensor    # [K] float64, draft top-1 == verifier top-1
+    count: Tensor      # [K] float64, counted positions
+
+    def stacked(self) -> Tensor:
+        return torch.stack((self.loss_sum, self.correct, self.count))   # [3, K]
+
+
+class ObjectiveOutput(NamedTuple):
+    loss: Tensor       # scalar, what is optimised
+    stats: StepStats
+
+
+# ---- alignment -----------------------------------------------------------------------------
+def shift_in_sample(x: Tensor, segment_ids: Tensor, shift: int, fill: float | int | bool) -> Tensor:
+    """[B, T] -> [B, T]: out[b, t] = x[b, t + shift] when t + shift < T lies in the same sample
+    (segment) as t, else `fill`."""
+    out = torch.full_like(x, fill)
+    T = x.shape[1]
+    if shift < T:
+        same = segment_ids[:, shift:] == segment_ids[:, :T - shift]
+        out[:, :T - shift] = torch.where(same, x[:, shift:], out[:, :T - shift])
+    return out
+
+
+def step_inputs(batch: dict[str, Tensor], k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Step k's (input ids [B, T], positions [B, T], counted [B, T] bool) of a micro-batch."""
+    seg = batch["segment_ids"]
+    ids = shift_in_sample(batch["input_ids"], seg, 1 + k, 0)
+    counted = shift_in_sample(batch["loss_mask"], seg, 2 + k, False) & (seg >= 0)
+    return ids, batch["position_ids"] + k, counted
+
+
+# ---- chunked soft cross-entropy -------------------------------------------------------------
+class _Blocks:
+    """The [chunk, V] fp32 buffers of one pass, allocated once and reused for every chunk (fresh
+    100 MB blocks per chunk cost page faults on the CPU), and the in-place maths on them."""
+
+    def __init__(self, chunk: int, target_vocab: int, draft_vocab: int, pruned: bool, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        f32 = dict(dtype=torch.float32, device=device)
+        self.target = torch.empty(chunk, target_vocab, **f32)            # verifier logits
+        self.kept = torch.empty(chunk, draft_vocab, **f32) if pruned else None   # ... on the draft vocabulary
+        self.draft = torch.empty(chunk, draft_vocab, **f32)              # draft logits
+        # Matmuls in a low precision land here before their fp32 copy.
+        self.scratch = (torch.empty(chunk * max(target_vocab, draft_vocab), dtype=dtype, device=device)
+                        if dtype != torch.float32 else None)
+
+    def logits(self, out: Tensor, x: Tensor, w: Tensor) -> Tensor:
+        """out[:c] = x @ w.T in fp32; x [c, H], w [V, H]."""
+        out = out[:x.shape[0]]
+        if self.scratch is None:
+            return torch.mm(x, w.T, out=out)
+        low = self.scratch[:out.numel()].view(out.shape)
+        return out.copy_(torch.mm(x, w.T, out=low))
+
+    def target_probs(self, target_hidden: Tensor, target_head: Tensor, keep: Tensor | None) -> tuple[Tensor, Tensor]:
+        """(p [c, Vd] on the draft vocabulary, verifier top-1 [c] target ids)."""
+        logits = self.logits(self.target, target_hidden, target_head)   # [c, V]
+        top = logits.argmax(-1)
+        if keep is not None:                                             # restricted to t2d
+            logits = torch.index_select(logits, 1, keep, out=self.kept[:logits.shape[0]])
+        return softmax_(logits), top
+
+
+def softmax_(z: Tensor) -> Tensor:
+    """Softmax over the last dim, in place (no temporary of z's size)."""
+    z.sub_(z.amax(-1, keepdim=True)).exp_()
+    return z.div_(z.sum(-1, keepdim=True))
+
+
+class ChunkedSoftCE(torch.autograd.Function):
+    """sum_n -sum_v p_T(v | n) log softmax(normed_n @ head.T)_v over N rows, a chunk at a time.
+
+    Saves only its inputs; the backward recomputes each chunk's logits, so no [N, V] tensor
+    exists in either pass (peak: about three [chunk, V] fp32 blocks). Gradient w.r.t. the draft
+    logits: softmax(z) - p (p sums to 1).
+    """
+
+    @staticmethod
+    def forward(ctx, normed: Tensor, head: Tensor, target_hidden: Tensor, target_head: Tensor,
+                keep: Tensor | None, chunk: int) -> tuple[Tensor, Tensor]:
+        loss = torch.zeros((), dtype=torch.float64, device=normed.device)
+        correct = torch.zeros((), dtype=torch.float64, device=normed.device)
+        N = normed.shape[0]
+        blocks = _Blocks(min(chunk, N), target_head.shape[0], head.shape[0], keep is not None,
+                         normed.dtype, normed.device) if N else None
+        for c in range(0, N, chunk):
+            p, top = blocks.target_probs(target_hidden[c:c + chunk], target_head, keep)
+            z = blocks.logits(blocks.draft, normed[c:c + chunk], head)    # [c, Vd]
+            pred = z.argmax(-1)
+            correct += ((keep[pred] if keep is not None else pred) == top).sum()
+            # -sum p log q = lse(z) - sum p z   (p sums to 1)
+            pz = p.mul_(z).sum(-1)
+            m = z.amax(-1)
+            lse = z.sub_(m[:, None]).exp_().sum(-1).log_().add_(m)
+            loss += (lse - pz).sum().double()
+        ctx.save_for_backward(normed, head, target_hidden, target_head, keep)
+        ctx.chunk = chunk
+        ctx.mark_non_differentiable(correct)
+        return loss, correct
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor, _: Tensor) -> tuple[Tensor | None, ...]:
+        normed, head, target_hidden, target_head, keep = ctx.saved_tensors
+        want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        N, chunk = normed.shape[0], ctx.chunk
+        grad_x = torch.empty_like(normed) if want_x else None
+        grad_w = torch.zeros(head.shape, dtype=torch.float32, device=head.device) if want_w else None
+        blocks = _Blocks(min(chunk, N), target_head.shape[0], head.shape[0], keep is not None,
+                         normed.dtype, normed.device) if N else None
+        g = grad_loss.float()
+        for c in range(0, N, chunk):
+            x = normed[c:c + chunk]
+            p, _ = blocks.target_probs(target_hidden[c:c + chunk], target_head, keep)
+            dz = softmax_(blocks.logits(blocks.draft, x, head)).sub_(p).mul_(g)   # [c, Vd] d loss / d z
+            if normed.dtype != torch.float32:
+                dz = blocks.scratch[:dz.numel()].view(dz.shape).copy_(dz)
+            if want_x:
+                torch.mm(dz, head, out=grad_x[c:c + chunk])
+            if want_w:
+                if dz.dtype == torch.float32:
+                    grad_w.addmm_(dz.T, x)
+                else:
+                    grad_w += (dz.T @ x).float()
+        return grad_x, None if grad_w is None else grad_w.to(head.dtype), None, None, None, None
+
+
+def soft_cross_entropy(normed: Tensor, head: Tensor, target_hidden: Tensor, target_head: Tensor,
+                       keep: Tensor | None, chunk: int) -> tuple[Tensor, Tensor]:
+    """(sum of soft cross-entropies, number of top-1 agreements) over N rows.
+
+    normed [N, H]: the draft's norm output; head [Vd, H]: draft lm_head; target_hidden [N, H]:
+    the verifier's final hidden states; target_head [V, H]: its lm_head; keep [Vd]: target id
+    of each draft id (pruned vocabulary) or None.
+    """
+    return ChunkedSoftCE.apply(normed, head, target_hidden, target_head, keep, chunk)
+
+
+# ---- the module DeepSpeed trains -------------------------------------------------------------
+class Eagle3Objective(nn.Module):
+    """The draft plus its frozen target head; forward(batch, steps) -> ObjectiveOutput.
+
+    The verifier's lm_head is a non-persistent buffer: never trained, never checkpointed, not
+    partitioned by ZeRO-3. The draft's own lm_head is read directly (not through its forward),
+    so under ZeRO-3 the engine registers it as an external parameter of this module.
+    """
+
+    def __init__(self, draft: Eagle3Draft, target_head: Tensor, cfg: ObjectiveConfig) -> None:
+        super().__init__()
+        self.draft = draft
+        self.cfg = cfg
+        self.register_buffer("target_head", target_head, persistent=False)      # [V, H]
+        self.chunk = cfg.chunk_tokens(draft.config.vocab_size)
+
+    @torch.no_grad()
+    def cast_buffers(self, dtype: torch.dtype) -> None:
+        """The frozen verifier tensors (embedding, lm_head) to the training dtype: DeepSpeed's
+        bf16 mode casts parameters only, and these meet bf16 activations."""
+        for module in self.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer is not None and buffer.is_floating_point():
+                    module._buffers[name] = buffer.to(dtype)
+
+    def forward(self, batch: dict[str, Tensor], steps: int | None = None) -> ObjectiveOutput:
+        steps = steps or self.cfg.steps
+        draft = self.draft
+        dtype = draft.fc.weight.dtype
+        keep = None if draft.d2t is None else target_ids_of(draft.d2t)
+        final = batch["final"].to(dtype)                                    # [B, T, H]
+        hidden = draft.project_aux(batch["aux"].to(dtype))                  # [B, T, H]
+        cache = None
+        loss = torch.zeros((), dtype=torch.float32, device=final.device)
+        sums, correct, counts = [], [], []
+        for k, weight in enumerate(self.cfg.weights(steps)):
+            ids, positions, counted = step_inputs(batch, k)
+            out = draft.step(ids, hidden, positions, cache, batch["segment_ids"], with_logits=False)
+            b, t = counted.nonzero(as_tuple=True)                           # counted positions
+            loss_sum, agree = soft_cross_entropy(out.normed[b, t], draft.lm_head.weight,
+                                                 final[b, t + 1 + k], self.target_head, keep, self.chunk)
+            n = b.numel()
+            loss = loss + weight * loss_sum.float() / max(n, 1)
+            sums.append(loss_sum.detach())
+            correct.append(agree)
+            counts.append(torch.tensor(float(n), dtype=torch.float64, device=final.device))
+            hidden, cache = out.hidden, out.cache
+        return ObjectiveOutput(loss, StepStats(torch.stack(sums), torch.stack(correct), torch.stack(counts)))
+
+
+def simulated_accept_length(acceptance: Tensor | list[float]) -> float:
+    """1 + sum_k prod_{i<=k} a_i: expected tokens per verifier pass with chain drafting when draft
+    position i is accepted with probability a_i given the earlier ones were."""
+    total, run = 1.0, 1.0
+    for a in torch.as_tensor(acceptance, dtype=torch.float64).tolist():
+        run *= a
+        total += run
+    return total
