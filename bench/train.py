@@ -211,6 +211,8 @@ def main() -> None:
     from train.loop import build_objective, prepare
 
     cfg = compose_config("train", args.overrides)
+    if cfg.train.threads:
+        torch.set_num_threads(int(cfg.train.threads))
     E.init_distributed()
     run_dir = REPO_ROOT / "runs/bench-train"
     run_dir.mkdir(parents=True, exist_ok=True)

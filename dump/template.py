@@ -39,6 +39,9 @@ def as_chat(conv: Conversation) -> list[dict[str, str]]:
 def tokenize_conversation(tokenizer: PreTrainedTokenizerBase, conv: Conversation, max_len: int,
                           over_long: OverLong) -> TokenizedSample:
     """Render `conv` with the chat template; mark assistant tokens; apply the over-long policy."""
+    if not any(m.role == "assistant" for m in conv.messages):
+        # Regeneration can leave nothing to learn from (no answer fitted in max_len).
+        raise SampleRejected(f"sample {conv.id}: no assistant turn")
     out = tokenizer.apply_chat_template(as_chat(conv), tokenize=True, return_dict=True,
                                         return_assistant_tokens_mask=True)
     ids = np.asarray(out["input_ids"], dtype=np.int32)

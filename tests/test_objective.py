@@ -93,6 +93,27 @@ def test_targets_are_the_final_states_one_ahead(monkeypatch, tiny_cfg: DraftConf
     assert out.stats.count.tolist() == [5, 4, 2, 1]
 
 
+def test_chains_follow_each_start_position_through_the_steps(monkeypatch, tiny_cfg: DraftConfig,
+                                                             draft_verifier_dir: Path) -> None:
+    """With every draft agreeing, a chain started at step 0 (positions 1, 2, 3 | 6, 7) lives while
+    its later steps still predict assistant tokens of its own sample: [5, 3, 1, 0] alive."""
+    H = tiny_cfg.hidden_size
+    batch = _hand_row()
+    batch = {**batch, "aux": torch.zeros(*batch["input_ids"].shape, 3 * H),
+             "final": torch.zeros(*batch["input_ids"].shape, H)}
+    real = objective_module.soft_cross_entropy
+
+    def always_right(*args):
+        loss, correct = real(*args)
+        return loss, torch.ones_like(correct)
+
+    monkeypatch.setattr(objective_module, "soft_cross_entropy", always_right)
+    with torch.no_grad():
+        stats = _objective(tiny_cfg, draft_verifier_dir, steps=4)(batch).stats
+    assert stats.count.tolist() == [5, 4, 2, 1] and stats.correct.tolist() == [5, 4, 2, 1]
+    assert stats.chain.tolist() == [5, 3, 1, 0]
+
+
 # ---- chunked soft cross-entropy -------------------------------------------------------------
 def _reference(normed, head, target_hidden, target_head, keep):
     target = target_hidden @ target_head.T
@@ -102,7 +123,7 @@ def _reference(normed, head, target_hidden, target_head, keep):
     logits = normed @ head.T
     loss = -(target.softmax(-1) * logits.log_softmax(-1)).sum()
     pred = logits.argmax(-1)
-    return loss, ((keep[pred] if keep is not None else pred) == top).sum()
+    return loss, (keep[pred] if keep is not None else pred) == top
 
 
 @pytest.mark.parametrize("pruned", [False, True])
@@ -112,9 +133,10 @@ def test_chunked_loss_equals_the_unchunked_reference(pruned: bool, chunk: int) -
     N, H, V = 37, 16, 50
     keep = torch.sort(torch.randperm(V, generator=g)[:20]).values if pruned else None
     Vd = 20 if pruned else V
-    normed = torch.randn(N, H, generator=g, requires_grad=True)
-    head = torch.randn(Vd, H, generator=g, requires_grad=True)
     target_hidden, target_head = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g)
+    # A draft near the verifier, so that some top-1s agree and some do not.
+    normed = (target_hidden + 0.5 * torch.randn(N, H, generator=g)).requires_grad_()
+    head = ((target_head[keep] if pruned else target_head) + 0.1 * torch.randn(Vd, H, generator=g)).requires_grad_()
     loss, correct = soft_cross_entropy(normed, head, target_hidden, target_head, keep, chunk)
     (2.5 * loss).backward()
     grads = normed.grad.clone(), head.grad.clone()
@@ -122,7 +144,7 @@ def test_chunked_loss_equals_the_unchunked_reference(pruned: bool, chunk: int) -
     ref_loss, ref_correct = _reference(normed, head, target_hidden, target_head, keep)
     (2.5 * ref_loss).backward()
     torch.testing.assert_close(loss.float(), ref_loss, rtol=1e-5, atol=1e-5)
-    assert int(correct) == int(ref_correct)
+    assert torch.equal(correct, ref_correct) and 0 < int(correct.sum()) < N
     # fp32 sums in another order: a few ulps of the largest entries.
     torch.testing.assert_close(grads[0], normed.grad, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(grads[1], head.grad, rtol=1e-4, atol=1e-5)
@@ -151,7 +173,7 @@ def test_chunked_loss_without_rows_is_zero_with_zero_gradients() -> None:
     head = torch.randn(10, 8, requires_grad=True)
     loss, correct = soft_cross_entropy(normed, head, torch.zeros(0, 8), torch.randn(10, 8), None, 4)
     loss.backward()
-    assert loss.item() == 0 and correct.item() == 0 and torch.all(head.grad == 0)
+    assert loss.item() == 0 and correct.numel() == 0 and torch.all(head.grad == 0)
 
 
 # ---- packing ------------------------------------------------------------------------------------
@@ -175,6 +197,7 @@ def test_packed_row_gives_the_loss_and_gradients_of_separate_rows(
     torch.testing.assert_close(a.loss, b.loss, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(a.stats.loss_sum, b.stats.loss_sum, rtol=1e-5, atol=1e-4)
     assert a.stats.correct.tolist() == b.stats.correct.tolist()
+    assert a.stats.chain.tolist() == b.stats.chain.tolist()
     for name in ga:
         torch.testing.assert_close(ga[name], gb[name], rtol=1e-4, atol=1e-6)
 

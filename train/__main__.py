@@ -42,9 +42,11 @@ def train_main(cfg: DictConfig) -> None:
     held = summary["heldout"]
     K = sum(1 for key in held if key.startswith("acc_"))
     accs = ", ".join(f"{held[f'acc_{k}']:.3f}" for k in range(K))
+    speed = summary["train_tokens_per_s"]
     print(f"train done: {summary['steps']} steps, held-out accept length {held['accept_length']:.3f} "
-          f"(top-1 per step {accs}), {summary['train_tokens_per_s'] or 0:.0f} tokens/s; "
-          f"draft {summary['exported']}; run {summary['run_dir']}")
+          f"(chain replay {held['chain_accept_length']:.3f}; top-1 per step {accs}), "
+          f"{'-' if speed is None else f'{speed:.0f}'} tokens/s; draft {summary['exported']}; "
+          f"run {summary['run_dir']}")
 
 
 def export_main(argv: list[str]) -> int:

@@ -3,8 +3,11 @@
 The draft runs its TTT chain on held-out samples exactly as in training (ground-truth ids, its
 own hidden states fed back), for `eval.ttt_steps` steps whatever it was trained with, so drafts
 trained with different TTT depths are compared on the same chain. acc_k = share of counted
-positions where the draft's top-1 equals the verifier's at step k; the accept length of greedy
-chain drafting is then 1 + sum_k prod_{i<=k} acc_i (train/objective.py).
+positions where the draft's top-1 equals the verifier's at step k; accept_length is the issue's
+1 + sum_k prod_{i<=k} acc_i, chain_accept_length replays greedy chain drafting position by
+position (1 + sum_k share of chains whose drafts 0..k all agree), which is what vLLM measures
+(train/metrics.py). On kimi-tiny's held-out split the two differ by ~0.02; against vLLM's own
+spec-decode counters on the verifier's greedy continuations the chain replay agreed per position.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import torch
 
 from train.engine import all_reduce_sum
 from train.metrics import step_metrics
+from train.objective import StepStats
 
 
 @torch.no_grad()
@@ -23,7 +27,7 @@ def evaluate(engine, batches: Iterable[dict[str, torch.Tensor]], counted: Iterab
     batches; those with counted False only keep ZeRO-3's gathers in step and add nothing)."""
     was_training = engine.module.training
     engine.eval()
-    total = torch.zeros(3, steps, dtype=torch.float64, device=engine.device)
+    total = StepStats.zeros(steps, engine.device)
     for batch, keep in zip(batches, counted, strict=True):
         batch = {k: v.to(engine.device, non_blocking=True) for k, v in batch.items()}
         stats = engine(batch, steps).stats.stacked().to(total.device)

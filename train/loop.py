@@ -34,7 +34,7 @@ from train.batches import (PackedRows, StoreSplit, check_store, iterate_token_ma
                            rank_rows)
 from train.evaluate import evaluate
 from train.metrics import RunLog, step_metrics
-from train.objective import Eagle3Objective, ObjectiveConfig
+from train.objective import Eagle3Objective, ObjectiveConfig, StepStats
 
 logger = logging.getLogger(__name__)
 
@@ -112,10 +112,10 @@ def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch
 
 def train_step(engine, batches: Iterator[dict[str, torch.Tensor]], grad_accum: int, steps: int,
                step: int, last_checkpoint: Path | None) -> tuple[torch.Tensor, float, float]:
-    """One optimizer step over grad_accum micro-batches: (stats [3, K] summed over ranks,
+    """One optimizer step over grad_accum micro-batches: (stats [4, K] summed over ranks,
     mean micro-batch loss over ranks, tokens of all ranks). Stops on a non-finite loss."""
     device = engine.device
-    stats = torch.zeros(3, steps, dtype=torch.float64, device=device)
+    stats = StepStats.zeros(steps, device)
     sums = torch.zeros(2, dtype=torch.float64, device=device)          # loss, tokens
     for _ in range(grad_accum):
         batch = _to(next(batches), device)
@@ -202,6 +202,7 @@ def fit(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                     bar.write(f"step {done}: held-out accept length {heldout['accept_length']:.3f} (top-1 {accs})")
         if not heldout:                                   # a resumed run that had already finished
             heldout = run_evaluation(engine, setup, cfg, rank, world)
+            log.write("heldout", start, heldout)
         exported = export_run(engine, setup, run_dir, getattr(torch, t.export_dtype)) if t.export else None
     finally:
         bar.close()

@@ -20,18 +20,24 @@ TENSORBOARD = "tensorboard"
 
 
 def step_metrics(stats: Tensor, prefix: str = "") -> dict[str, float]:
-    """stats [3, K] (loss sums, top-1 agreements, counts over batches and ranks) -> per-step loss
-    and top-1 agreement, and the simulated accept length those agreements give."""
-    loss_sum, correct, count = stats.double().cpu()
+    """stats [4, K] (train/objective.py's StepStats summed over batches and ranks) -> per step k:
+    loss_k and acc_k (top-1 agreement over step k's counted positions), chain_k (share of chains
+    still fully accepted after draft k); accept_length = 1 + sum_k prod_{i<=k} acc_i (the issue's
+    estimate, as if steps were independent) and chain_accept_length = 1 + sum_k chain_k (greedy
+    chain drafting replayed on the same text: what vLLM would accept on it)."""
+    loss_sum, correct, count, chain = stats.double().cpu()
     out: dict[str, float] = {}
     acc = []
+    chains = float(count[0])
     for k in range(stats.shape[1]):
         n = float(count[k])
         out[f"{prefix}loss_{k}"] = float(loss_sum[k]) / n if n else math.nan
         acc.append(float(correct[k]) / n if n else 0.0)
         out[f"{prefix}acc_{k}"] = acc[-1]
+        out[f"{prefix}chain_{k}"] = float(chain[k]) / chains if chains else 0.0
     out[f"{prefix}accept_length"] = simulated_accept_length(acc)
-    out[f"{prefix}tokens_counted"] = float(count[0])
+    out[f"{prefix}chain_accept_length"] = 1.0 + sum(out[f"{prefix}chain_{k}"] for k in range(stats.shape[1]))
+    out[f"{prefix}tokens_counted"] = chains
     return out
 
 

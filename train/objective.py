@@ -15,6 +15,12 @@ header. (Public trainers index the mask two positions earlier, l[t], which drops
 tokens of every answer and counts two past its end; the shift is tested on a hand-built row.)
 Ids, mask and target shift by one more per step and never cross into the next packed sample.
 
+Metrics per step k: soft cross-entropy, and top-1 agreement acc_k (draft argmax == verifier
+argmax) over step k's counted positions. Position t of step k is the k-th draft of the chain that
+starts after x_{t+1}, so the chain statistics are exact too: chain_k counts step-0 positions whose
+steps 0..k are all counted and agree, i.e. what vLLM reports as accepted tokens per position for
+greedy chain drafting on this text (train/metrics.py turns both into accept lengths).
+
 Loss: step k's soft cross-entropy -sum_v p_T(v) log q_k(v), averaged over its counted positions
 of the micro-batch, weighted w_k = decay^k and summed over steps. With a pruned draft vocabulary
 the target is the verifier's distribution restricted to the draft's tokens (t2d) and renormalised;
@@ -54,9 +60,15 @@ class StepStats(NamedTuple):
     loss_sum: Tensor   # [K] float64, sum of soft cross-entropies
     correct: Tensor    # [K] float64, draft top-1 == verifier top-1
     count: Tensor      # [K] float64, counted positions
+    chain: Tensor      # [K] float64, step-0 positions whose steps 0..k are all counted and correct
 
     def stacked(self) -> Tensor:
-        return torch.stack((self.loss_sum, self.correct, self.count))   # [3, K]
+        return torch.stack((self.loss_sum, self.correct, self.count, self.chain))   # [4, K]
+
+    @staticmethod
+    def zeros(steps: int, device: torch.device | str) -> Tensor:
+        """An accumulator for `stacked()` values: [4, steps] float64."""
+        return torch.zeros(len(StepStats._fields), steps, dtype=torch.float64, device=device)
 
 
 class ObjectiveOutput(NamedTuple):
@@ -107,10 +119,11 @@ class _Blocks:
         low = self.scratch[:out.numel()].view(out.shape)
         return out.copy_(torch.mm(x, w.T, out=low))
 
-    def target_probs(self, target_hidden: Tensor, target_head: Tensor, keep: Tensor | None) -> tuple[Tensor, Tensor]:
-        """(p [c, Vd] on the draft vocabulary, verifier top-1 [c] target ids)."""
+    def target_probs(self, target_hidden: Tensor, target_head: Tensor, keep: Tensor | None,
+                     with_top: bool = True) -> tuple[Tensor, Tensor | None]:
+        """(p [c, Vd] on the draft vocabulary, verifier top-1 [c] target ids or None)."""
         logits = self.logits(self.target, target_hidden, target_head)   # [c, V]
-        top = logits.argmax(-1)
+        top = logits.argmax(-1) if with_top else None
         if keep is not None:                                             # restricted to t2d
             logits = torch.index_select(logits, 1, keep, out=self.kept[:logits.shape[0]])
         return softmax_(logits), top
@@ -134,15 +147,15 @@ class ChunkedSoftCE(torch.autograd.Function):
     def forward(ctx, normed: Tensor, head: Tensor, target_hidden: Tensor, target_head: Tensor,
                 keep: Tensor | None, chunk: int) -> tuple[Tensor, Tensor]:
         loss = torch.zeros((), dtype=torch.float64, device=normed.device)
-        correct = torch.zeros((), dtype=torch.float64, device=normed.device)
         N = normed.shape[0]
+        correct = torch.zeros(N, dtype=torch.bool, device=normed.device)
         blocks = _Blocks(min(chunk, N), target_head.shape[0], head.shape[0], keep is not None,
                          normed.dtype, normed.device) if N else None
         for c in range(0, N, chunk):
             p, top = blocks.target_probs(target_hidden[c:c + chunk], target_head, keep)
             z = blocks.logits(blocks.draft, normed[c:c + chunk], head)    # [c, Vd]
             pred = z.argmax(-1)
-            correct += ((keep[pred] if keep is not None else pred) == top).sum()
+            correct[c:c + chunk] = (keep[pred] if keep is not None else pred) == top
             # -sum p log q = lse(z) - sum p z   (p sums to 1)
             pz = p.mul_(z).sum(-1)
             m = z.amax(-1)
@@ -165,7 +178,7 @@ class ChunkedSoftCE(torch.autograd.Function):
         g = grad_loss.float()
         for c in range(0, N, chunk):
             x = normed[c:c + chunk]
-            p, _ = blocks.target_probs(target_hidden[c:c + chunk], target_head, keep)
+            p, _ = blocks.target_probs(target_hidden[c:c + chunk], target_head, keep, with_top=False)
             dz = softmax_(blocks.logits(blocks.draft, x, head)).sub_(p).mul_(g)   # [c, Vd] d loss / d z
             if normed.dtype != torch.float32:
                 dz = blocks.scratch[:dz.numel()].view(dz.shape).copy_(dz)
@@ -181,7 +194,7 @@ class ChunkedSoftCE(torch.autograd.Function):
 
 def soft_cross_entropy(normed: Tensor, head: Tensor, target_hidden: Tensor, target_head: Tensor,
                        keep: Tensor | None, chunk: int) -> tuple[Tensor, Tensor]:
-    """(sum of soft cross-entropies, number of top-1 agreements) over N rows.
+    """(sum of soft cross-entropies, [N] bool: draft top-1 == verifier top-1) over N rows.
 
     normed [N, H]: the draft's norm output; head [Vd, H]: draft lm_head; target_hidden [N, H]:
     the verifier's final hidden states; target_head [V, H]: its lm_head; keep [Vd]: target id
@@ -224,7 +237,8 @@ class Eagle3Objective(nn.Module):
         hidden = draft.project_aux(batch["aux"].to(dtype))                  # [B, T, H]
         cache = None
         loss = torch.zeros((), dtype=torch.float32, device=final.device)
-        sums, correct, counts = [], [], []
+        sums, correct, counts, chain = [], [], [], []
+        alive = None              # [B, T] chains started at step 0 and still all correct
         for k, weight in enumerate(self.cfg.weights(steps)):
             ids, positions, counted = step_inputs(batch, k)
             out = draft.step(ids, hidden, positions, cache, batch["segment_ids"], with_logits=False)
@@ -234,10 +248,15 @@ class Eagle3Objective(nn.Module):
             n = b.numel()
             loss = loss + weight * loss_sum.float() / max(n, 1)
             sums.append(loss_sum.detach())
-            correct.append(agree)
+            correct.append(agree.sum().double())
             counts.append(torch.tensor(float(n), dtype=torch.float64, device=final.device))
+            right = torch.zeros_like(counted)
+            right[b, t] = agree
+            alive = right if alive is None else alive & right
+            chain.append(alive.sum().double())
             hidden, cache = out.hidden, out.cache
-        return ObjectiveOutput(loss, StepStats(torch.stack(sums), torch.stack(correct), torch.stack(counts)))
+        return ObjectiveOutput(loss, StepStats(torch.stack(sums), torch.stack(correct), torch.stack(counts),
+                                               torch.stack(chain)))
 
 
 def simulated_accept_length(acceptance: Tensor | list[float]) -> float:
