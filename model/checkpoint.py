@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from model.draft import DraftConfig, Eagle3Draft
+from model.draft import DraftConfig, Eagle3Draft, layer_shapes
 from model.vocab import t2d_from_d2t
 
 ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
@@ -128,16 +128,7 @@ def draft_config_from_json(d: dict[str, Any]) -> DraftConfig:
     if not aux:
         raise ValueError("the checkpoint names no eagle_aux_hidden_state_layer_ids")
     return DraftConfig(
-        hidden_size=d["hidden_size"],
-        intermediate_size=d["intermediate_size"],
-        num_attention_heads=d["num_attention_heads"],
-        q_lora_rank=d["q_lora_rank"],
-        kv_lora_rank=d["kv_lora_rank"],
-        qk_nope_head_dim=d["qk_nope_head_dim"],
-        qk_rope_head_dim=d["qk_rope_head_dim"],
-        v_head_dim=d["v_head_dim"],
-        rms_norm_eps=d["rms_norm_eps"],
-        max_position_embeddings=d["max_position_embeddings"],
+        **layer_shapes(d),
         rope_parameters=dict(rope_parameters),
         rope_interleave=d.get("rope_interleave", True),   # vLLM's MLA always rotates interleaved
         vocab_size=d["vocab_size"],

@@ -105,16 +105,7 @@ class DraftConfig:
 
         aux = to_vllm_aux_ids(d["aux_layer_ids"], d["aux_convention"], d["target_num_hidden_layers"])
         return cls(
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_attention_heads=d["num_attention_heads"],
-            q_lora_rank=d["q_lora_rank"],
-            kv_lora_rank=d["kv_lora_rank"],
-            qk_nope_head_dim=d["qk_nope_head_dim"],
-            qk_rope_head_dim=d["qk_rope_head_dim"],
-            v_head_dim=d["v_head_dim"],
-            rms_norm_eps=float(d["rms_norm_eps"]),
-            max_position_embeddings=d["max_position_embeddings"],
+            **layer_shapes(d),
             rope_parameters=dict(d["rope_parameters"]),
             rope_interleave=bool(d["rope_interleave"]),
             vocab_size=d["vocab_size"],
@@ -127,6 +118,19 @@ class DraftConfig:
             attention=d.get("attention", "ttt"),
             train_head=bool(d.get("train_head", False)),
         )
+
+
+# The draft layer's shapes: named alike in conf/draft, the exported config.json and DraftConfig.
+LAYER_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "q_lora_rank",
+                    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                    "rms_norm_eps", "max_position_embeddings")
+
+
+def layer_shapes(d: dict[str, Any]) -> dict[str, Any]:
+    """The LAYER_SHAPE_KEYS of a config dict, as DraftConfig keyword arguments."""
+    shapes = {k: d[k] for k in LAYER_SHAPE_KEYS}
+    shapes["rms_norm_eps"] = float(shapes["rms_norm_eps"])
+    return shapes
 
 
 def compose_draft_conf(draft: str | DictConfig, verifier: str | DictConfig | None = None) -> DictConfig:
