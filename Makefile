@@ -1,4 +1,4 @@
-# The project's commands. `make setup` once, then `make demo` / `make test`.
+# The project's commands: `make demo` (set-up, dump, train, eval on the embedded default) and `make test`.
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 
@@ -73,6 +73,34 @@ endif
 .PHONY: train bench-train
 train: setup
 	$(TRAIN_LAUNCH) $(ARGS)
+
+# `make eval [DRAFT=<draft folder>] [PROMPTS=file.jsonl] [ARGS=...]`: accept length per category,
+# simulated from shards and measured by vLLM (conf/eval.yaml); table on the console, eval.json and
+# acceptance.png under runs/eval/, the table in the draft's README.md. DRAFT: default, the newest
+# exported draft under runs/. PROMPTS: one more category from a JSONL of conversations or prompts.
+DRAFT ?=
+PROMPTS ?=
+EVAL_DRAFT = $(if $(DRAFT),$(abspath $(DRAFT)),$(shell ls -td runs/*/draft runs/*/*/draft 2>/dev/null | head -1))
+ifneq ($(PROMPTS),)
+PROMPTS_ARGS := +data@categories.prompts.data=jsonl categories.prompts.data.path=$(abspath $(PROMPTS)) \
+	categories.prompts.data.require_answer=false +categories.prompts.split=all \
+	+categories.prompts.benchmark=$(notdir $(PROMPTS))
+endif
+
+.PHONY: eval demo
+eval: setup
+	@test -n "$(EVAL_DRAFT)" || { echo "make eval: no draft (pass DRAFT=<folder>, e.g. runs/train/<run>/draft)" >&2; exit 2; }
+	$(PY) -m train.eval draft_dir=$(EVAL_DRAFT) $(PROMPTS_ARGS) $(ARGS)
+
+# The whole pipeline on the embedded default, in fixed folders under runs/demo so that running it
+# again resumes (the dump skips what it stored, training continues from its newest checkpoint).
+DEMO_DIR := runs/demo
+demo: setup
+	@start=$$(date +%s); \
+	$(MAKE) --no-print-directory dump ARGS= && \
+	$(MAKE) --no-print-directory train ARGS="hydra.run.dir=$(DEMO_DIR)/train" && \
+	$(MAKE) --no-print-directory eval DRAFT=$(DEMO_DIR)/train/draft ARGS="hydra.run.dir=$(DEMO_DIR)/eval" && \
+	echo "make demo: done in $$(( $$(date +%s) - start )) s; report $(DEMO_DIR)/eval/eval.json, draft $(DEMO_DIR)/train/draft"
 
 # Trainer throughput, MFU against a matmul measured in the same run, DeepSpeed vs plain PyTorch
 # step time and the chunked loss's peak memory at Kimi's vocabulary: bench/results/train.json.

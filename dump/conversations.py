@@ -145,17 +145,19 @@ def sharegpt_default_path() -> pathlib.Path:
 
 
 def read_sharegpt(
-    path: str | pathlib.Path, on_error: OnError = "raise", stats: ReadStats | None = None
+    path: str | pathlib.Path, on_error: OnError = "raise", stats: ReadStats | None = None,
+    require_answer: bool = True,
 ) -> Iterator[Conversation]:
     """Records {"id", "conversations": [{"from", "value"}, ...]}, as a JSON array or JSONL."""
-    return _read(pathlib.Path(path), _sharegpt_messages, True, on_error, stats)
+    return _read(pathlib.Path(path), _sharegpt_messages, True, on_error, stats, require_answer)
 
 
 def read_messages_jsonl(
-    path: str | pathlib.Path, on_error: OnError = "raise", stats: ReadStats | None = None
+    path: str | pathlib.Path, on_error: OnError = "raise", stats: ReadStats | None = None,
+    require_answer: bool = True,
 ) -> Iterator[Conversation]:
     """Records {"messages": [{"role", "content"}, ...], optional "id"}, one per line."""
-    return _read(pathlib.Path(path), _openai_messages, False, on_error, stats)
+    return _read(pathlib.Path(path), _openai_messages, False, on_error, stats, require_answer)
 
 
 def read_conversations(
@@ -163,14 +165,16 @@ def read_conversations(
     format: Literal["auto", "sharegpt", "messages"] = "auto",
     on_error: OnError = "raise",
     stats: ReadStats | None = None,
+    require_answer: bool = True,
 ) -> Iterator[Conversation]:
+    """Conversations of a file; require_answer False also takes prompts alone (no assistant turn)."""
     path = pathlib.Path(path)
     if format == "auto":
         format = _detect_format(path)
     if format == "sharegpt":
-        return read_sharegpt(path, on_error, stats)
+        return read_sharegpt(path, on_error, stats, require_answer)
     if format == "messages":
-        return read_messages_jsonl(path, on_error, stats)
+        return read_messages_jsonl(path, on_error, stats, require_answer)
     raise ValueError(f"unknown conversation format {format!r}: use auto, sharegpt or messages")
 
 
@@ -217,7 +221,7 @@ def load_conversations(
         conversations = read_humaneval()
     else:
         path = cfg["path"] if cfg["path"] is not None else _default_path(format)
-        conversations = read_conversations(path, format, cfg["on_error"], stats)
+        conversations = read_conversations(path, format, cfg["on_error"], stats, cfg["require_answer"])
     split_key = sharegpt_split_key if format == "sharegpt" else (lambda sample_id: sample_id)
     fraction, seed, category = cfg["heldout_fraction"], cfg["split_seed"], cfg["category"]
 
@@ -246,6 +250,7 @@ def _read(
     drop_leading_assistant: bool,
     on_error: OnError,
     stats: ReadStats | None,
+    require_answer: bool = True,
 ) -> Iterator[Conversation]:
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
@@ -253,7 +258,7 @@ def _read(
         # Fail at the call, not at the first next(), so a wrong path is seen early.
         raise FileNotFoundError(f"no conversation file at {path}")
     stats = stats if stats is not None else ReadStats()
-    return _read_records(path, to_messages, drop_leading_assistant, on_error, stats)
+    return _read_records(path, to_messages, drop_leading_assistant, on_error, stats, require_answer)
 
 
 def _read_records(
@@ -262,6 +267,7 @@ def _read_records(
     drop_leading_assistant: bool,
     on_error: OnError,
     stats: ReadStats,
+    require_answer: bool = True,
 ) -> Iterator[Conversation]:
     skipped_here = collections.Counter()
     for raw in _raw_records(path):
@@ -273,7 +279,7 @@ def _read_records(
             trimmed = False
             if drop_leading_assistant:
                 messages, trimmed = _drop_leading_assistant(messages)
-            _check_turns(messages)
+            _check_turns(messages, require_answer)
         except _Invalid as problem:
             declared_id = _declared_id(raw.value)
             error = RecordError(path, raw.line, declared_id, problem.reason, problem.detail)
@@ -477,8 +483,9 @@ def _drop_leading_assistant(messages: list[Message]) -> tuple[list[Message], boo
     return system + dialogue, len(dialogue) < len(rest)
 
 
-def _check_turns(messages: list[Message]) -> None:
-    """System turns only first, then user and assistant in turns, user first."""
+def _check_turns(messages: list[Message], require_answer: bool = True) -> None:
+    """System turns only first, then user and assistant in turns, user first; at least one
+    assistant turn when `require_answer`, else at least one user turn."""
     dialogue = list(itertools.dropwhile(lambda m: m.role == "system", messages))
     if dialogue and dialogue[0].role != "user":
         raise _Invalid("first turn not user", f"first turn is {dialogue[0].role}, not user")
@@ -486,8 +493,10 @@ def _check_turns(messages: list[Message]) -> None:
         if {before.role, message.role} != {"user", "assistant"}:
             detail = f"turns do not alternate: {before.role} then {message.role}"
             raise _Invalid("turns do not alternate", detail)
-    if not any(m.role == "assistant" for m in dialogue):
+    if require_answer and not any(m.role == "assistant" for m in dialogue):
         raise _Invalid("no assistant turn")
+    if not dialogue:
+        raise _Invalid("no user turn")
 
 
 def _json_type(value: Any) -> str:

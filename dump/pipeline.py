@@ -37,6 +37,16 @@ def open_writer(cfg: DictConfig) -> StoreWriter:
                        rank=cfg.rank, world_size=cfg.world_size)
 
 
+def write_batch(writer: StoreWriter, capture: HiddenStateCapture, samples: list[TokenizedSample]) -> int:
+    """Capture one batch of tokenized samples and add them to the store; returns its tokens."""
+    captured = capture.capture([s.input_ids for s in samples]) if samples else []
+    for sample, states in zip(samples, captured):
+        writer.add(sample.id, sample.input_ids, sample.loss_mask, states.aux, states.final)
+    # Shards close only between batches, so a resumed run forms the same batches.
+    writer.commit_if_full()
+    return sum(len(s.input_ids) for s in samples)
+
+
 def run_dump(cfg: DictConfig, llm=None) -> dict[str, Any]:
     """Dump this rank's share of the configured data; resumes whatever an earlier run left.
 
@@ -71,12 +81,7 @@ def run_dump(cfg: DictConfig, llm=None) -> dict[str, Any]:
                 except SampleRejected as err:
                     # Recorded in the store, so a resumed run skips it and forms the same batches.
                     writer.reject(conv.id, str(err))
-            captured = capture.capture([s.input_ids for s in samples]) if samples else []
-            for sample, states in zip(samples, captured):
-                writer.add(sample.id, sample.input_ids, sample.loss_mask, states.aux, states.final)
-                tokens += len(sample.input_ids)
-            # Shards close only between batches, so a resumed run forms the same batches.
-            writer.commit_if_full()
+            tokens += write_batch(writer, capture, samples)
             bar.update(len(batch))
             elapsed = time.time() - start
             bar.set_postfix(tok_s=f"{tokens / elapsed:.0f}",

@@ -389,3 +389,19 @@ def test_load_accepts_a_plain_dict(tmp_path):
     assert [c.id for c in load_conversations(cfg, "train")] == ["good_0", "good_1", "good_2"]
     with pytest.raises(ValueError, match="unknown split"):
         load_conversations(cfg, "test")
+
+
+def test_prompt_only_records_are_read_when_no_answer_is_required(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(
+        json.dumps({"id": "p1", "messages": [{"role": "user", "content": "Write a haiku."}]}) + "\n"
+        + json.dumps({"id": "p2", "messages": [{"role": "system", "content": "Be brief."},
+                                                {"role": "user", "content": "12 x 7?"}]}) + "\n"
+        + json.dumps({"id": "p3", "messages": [{"role": "system", "content": "Only a system turn."}]}) + "\n")
+    with pytest.raises(RecordError, match=r"prompts.jsonl:1 \(sample p1\): no assistant turn"):
+        list(read_conversations(path))
+    stats = ReadStats()
+    prompts = list(read_conversations(path, on_error="skip", stats=stats, require_answer=False))
+    assert [c.id for c in prompts] == ["p1", "p2"]
+    assert [m.role for m in prompts[1].messages] == ["system", "user"]
+    assert dict(stats.reasons) == {"no user turn": 1}

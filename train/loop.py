@@ -30,6 +30,7 @@ from model.verifier import verifier_dir
 from model.verifier_weights import read_token_ids, read_verifier_head
 from model.vocab import build_draft_vocab, count_tokens
 from train import engine as E
+from train.card import write_card
 from train.batches import (PackedRows, StoreSplit, check_store, iterate_token_masks, make_loader,
                            rank_rows)
 from train.evaluate import evaluate
@@ -214,5 +215,7 @@ def fit(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                "config": OmegaConf.to_container(cfg, resolve=True)}
     if rank == 0:
         (run_dir / SUMMARY).write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        if exported:
+            write_card(Path(exported), cfg.verifier.name, str(cfg.verifier.path), int(cfg.verifier.serving_tp), summary)
     engine.destroy()
     return summary

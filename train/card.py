@@ -1,0 +1,112 @@
+"""The exported draft's model card (README.md in the draft folder), like the public draft cards.
+
+Written at export with what training knows (architecture, verifier, training set-up) and again
+by `make eval` with the accept-length table. Launch commands for vLLM, SGLang and TokenSpeed
+use chain drafting: 3 steps, topk 1, 4 draft tokens (the verifier's token + 3 drafts).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from model.checkpoint import CONFIG_FILE, vllm_to_sglang_aux_ids
+
+CARD = "README.md"
+
+
+def _architecture(config: dict[str, Any]) -> list[str]:
+    q = "q_proj" if config.get("q_lora_rank") is None else f"q_lora_rank {config['q_lora_rank']}"
+    vocab = config["draft_vocab_size"]
+    pruned = vocab != config["vocab_size"]
+    return [
+        f"- EAGLE-3 draft, one MLA decoder layer ({config['architectures'][0]}, model_type "
+        f"`{config['model_type']}`): hidden {config['hidden_size']}, {config['num_attention_heads']} heads, "
+        f"{q}, kv_lora_rank {config['kv_lora_rank']}, qk_nope/rope/v head dims "
+        f"{config['qk_nope_head_dim']}/{config['qk_rope_head_dim']}/{config['v_head_dim']}, dense SwiGLU MLP "
+        f"{config['intermediate_size']}.",
+        f"- fc fuses {len(config['eagle_aux_hidden_state_layer_ids'])} verifier hidden states "
+        f"({config['target_hidden_size']} wide each) into the draft's hidden size.",
+        f"- lm_head over {vocab} tokens" + (f" (pruned from {config['vocab_size']}; `d2t` maps draft ids to "
+                                            "target ids)" if pruned else " (the verifier's full vocabulary)")
+        + "; the embedding is the verifier's (not stored).",
+    ]
+
+
+def _launch(verifier: str, draft: str, aux_vllm: list[int], num_layers: int, tp: int) -> list[str]:
+    aux_sglang = vllm_to_sglang_aux_ids(aux_vllm, num_layers)
+    return [
+        "Aux layers: config.json stores `eagle_aux_hidden_state_layer_ids` "
+        f"= {aux_vllm} in vLLM's convention (id k = the hidden state entering layer k), which vLLM "
+        f"and TokenSpeed read as they are. SGLang numbers layers by their output: the same layers "
+        f"are {aux_sglang} there.",
+        "",
+        "vLLM:",
+        "```bash",
+        f"vllm serve {verifier} --tensor-parallel-size {tp} \\",
+        f"  --speculative-config '{{\"method\": \"eagle3\", \"model\": \"{draft}\", \"num_speculative_tokens\": 3}}'",
+        "```",
+        "SGLang:",
+        "```bash",
+        f"python -m sglang.launch_server --model-path {verifier} --tp {tp} \\",
+        f"  --speculative-algorithm EAGLE3 --speculative-draft-model-path {draft} \\",
+        "  --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4",
+        "```",
+        "TokenSpeed (chain drafting):",
+        "```bash",
+        f"tokenspeed serve {verifier} --tensor-parallel-size {tp} \\",
+        f"  --speculative-algorithm EAGLE3 --speculative-draft-model-path {draft} \\",
+        "  --speculative-num-steps 3",
+        "```",
+    ]
+
+
+def _training(summary: dict[str, Any] | None) -> list[str]:
+    if not summary:
+        return ["Training set-up: not recorded (the draft was exported outside a training run)."]
+    cfg = summary.get("config", {})
+    t = cfg.get("train", {})
+    held = summary.get("heldout", {})
+    lines = [
+        f"- Store `{cfg.get('store_dir')}`: hidden states of the verifier dumped through vLLM.",
+        f"- {summary.get('steps')} optimizer steps, {t.get('grad_accum')} x {t.get('micro_batch')} packed rows of "
+        f"up to {t.get('max_len')} tokens per step and rank, {summary.get('world_size')} rank(s), DeepSpeed ZeRO-"
+        f"{summary.get('zero_stage')}, {t.get('precision')}.",
+        f"- AdamW lr {t.get('lr')} (warmup {t.get('warmup_steps')}, cosine to {t.get('min_lr_ratio')} x lr), "
+        f"grad clip {t.get('grad_clip')}; training-time test {t.get('ttt', {}).get('steps')} steps, "
+        f"step weights {t.get('ttt', {}).get('decay')}^k; soft cross-entropy against the verifier's distribution.",
+    ]
+    if held:
+        lines.append(f"- Held-out split of the store: simulated accept length {held.get('accept_length', 0):.3f} "
+                     f"(chain replay {held.get('chain_accept_length', 0):.3f}).")
+    return lines
+
+
+def write_card(draft_dir: Path, verifier_name: str, verifier_path: str, tp: int,
+               summary: dict[str, Any] | None = None, table: str | None = None) -> Path:
+    """(Re)write <draft_dir>/README.md; `table`: the markdown accept-length table from `make eval`."""
+    draft_dir = Path(draft_dir)
+    config = json.loads((draft_dir / CONFIG_FILE).read_text())
+    aux = list(config["eagle_aux_hidden_state_layer_ids"])
+    lines = [
+        f"# EAGLE-3 MLA draft for {verifier_name}",
+        "",
+        f"Speculative-decoding draft for `{verifier_name}` (`{verifier_path}`), trained by this project's "
+        "offline pipeline (`make dump`, `make train`). Load it with the verifier; it is useless alone.",
+        "",
+        "## Architecture",
+        *_architecture(config),
+        "",
+        "## Training",
+        *_training(summary),
+        "",
+        "## Accept length (topk 1, 3 steps, 4 draft tokens; ceiling 4)",
+        table if table else "Not measured yet: run `make eval DRAFT=<this folder>`.",
+        "",
+        "## Launch",
+        *_launch(verifier_path, str(draft_dir), aux, int(config["target_num_hidden_layers"]), tp),
+        "",
+    ]
+    path = draft_dir / CARD
+    path.write_text("\n".join(lines))
+    return path

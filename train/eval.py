@@ -1,0 +1,239 @@
+"""`python -m train.eval draft_dir=<folder>` (`make eval DRAFT=<folder>`): accept length per category.
+
+1. Prompts: the first user turn of the first `num_prompts` conversations of each category's
+   split (conf/eval.yaml), rendered with the verifier's chat template.
+2. Real: vLLM speculative decoding (eagle3, K drafts, topk 1) with the exported draft; vLLM's own
+   counters give the accept length, greedy and sampled.
+3. Shards: the verifier's hidden states over prompt + answer (the very tokens vLLM produced,
+   greedy and sampled) are dumped through stage 1's capture into <run>/stores/<category>/<mode>.
+4. Simulated: the draft replays greedy decoding on the greedy shards and gives the expected
+   acceptance on the sampled ones (train/simulate.py); no vLLM involved.
+5. Report: table on the console, eval.json, acceptance.png in the run folder; the table goes into
+   the draft's README.md (model card).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+import numpy as np
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+import model  # noqa: F401  (offline/cache environment first)
+from model.paths import resolve
+
+logger = logging.getLogger("train.eval")
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    id: str
+    ids: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Category:
+    name: str
+    benchmark: str
+    prompts: list[Prompt]
+
+
+# ---- 1. prompts ----------------------------------------------------------------------------
+def first_turn(conversation):
+    """The conversation up to its first assistant turn (system + user): one prompt."""
+    from dump.conversations import Conversation
+
+    messages = []
+    for m in conversation.messages:
+        if m.role == "assistant":
+            break
+        messages.append(m)
+    return Conversation(conversation.id, tuple(messages), conversation.category)
+
+
+def load_categories(cfg: DictConfig, tokenizer) -> list[Category]:
+    from dump.conversations import load_conversations
+    from dump.template import as_chat, prompt_ids
+
+    room = int(cfg.max_len) - int(cfg.max_tokens) - int(cfg.num_speculative_tokens) - 1
+    categories = []
+    for name, cat in cfg.categories.items():
+        prompts, too_long = [], 0
+        for conv in load_conversations(cat.data, cat.split):
+            ids = prompt_ids(tokenizer, as_chat(first_turn(conv)))
+            if len(ids) > room:
+                too_long += 1
+                continue
+            prompts.append(Prompt(conv.id, list(ids)))
+            if len(prompts) == int(cfg.num_prompts):
+                break
+        if not prompts:
+            raise ValueError(f"category {name!r}: no prompt of data {cat.data.name!r} (split {cat.split}) fits "
+                             f"{room} tokens (max_len - max_tokens - drafts - 1); {too_long} were longer")
+        if too_long:
+            logger.info("category %s: skipped %d prompts longer than %d tokens", name, too_long, room)
+        categories.append(Category(name, str(cat.get("benchmark", cat.data.name)), prompts))
+    return categories
+
+
+def check_draft(draft_dir: Path, cfg: DictConfig) -> None:
+    """Refuse a draft made for another verifier before any engine starts."""
+    from model.checkpoint import CONFIG_FILE, to_vllm_aux_ids
+
+    path = draft_dir / CONFIG_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{draft_dir}: no {CONFIG_FILE}; pass an exported draft folder (<run>/draft)")
+    found = json.loads(path.read_text())
+    arch = cfg.verifier.architecture
+    wanted = {"vocab_size": arch.vocab_size, "target_hidden_size": arch.hidden_size,
+              "eagle_aux_hidden_state_layer_ids": to_vllm_aux_ids(list(cfg.verifier.aux_layer_ids),
+                                                                  cfg.verifier.aux_convention, arch.num_hidden_layers)}
+    bad = [f"{k}: draft {found.get(k)} != verifier {v}" for k, v in wanted.items() if found.get(k) != v]
+    if bad:
+        raise ValueError(f"{path} does not fit verifier {cfg.verifier.name}: " + "; ".join(bad))
+
+
+# ---- 2. real -------------------------------------------------------------------------------
+def measure_real(cfg: DictConfig, categories: list[Category], verifier: Path, draft_dir: Path,
+                 stop: list[int]) -> dict[str, dict[str, Any]]:
+    from dump.engine import shutdown_llm
+    from train.speculative import run_prompts, speculative_engine
+
+    K = int(cfg.num_speculative_tokens)
+    llm = speculative_engine(verifier, cfg.engine, draft_dir, K, cfg.draft_sample, int(cfg.max_len))
+    runs: dict[str, dict[str, Any]] = {}
+    try:
+        for cat in categories:
+            prompts = [p.ids for p in cat.prompts]
+            runs[cat.name] = {"greedy": run_prompts(llm, prompts, K, int(cfg.max_tokens), stop)}
+            if cfg.sampled.enabled:
+                runs[cat.name]["sampled"] = run_prompts(llm, prompts, K, int(cfg.max_tokens), stop,
+                                                        float(cfg.sampled.temperature), float(cfg.sampled.top_p),
+                                                        int(cfg.seed))
+            logger.info("vLLM %s: %s", cat.name, {m: f"{r.counts.accept_length():.3f}" for m, r in runs[cat.name].items()})
+    finally:
+        shutdown_llm(llm)
+    return runs
+
+
+# ---- 3. shards of the texts vLLM produced -------------------------------------------------
+def dump_texts(cfg: DictConfig, categories: list[Category], runs: dict[str, dict[str, Any]],
+               verifier: Path, run_dir: Path) -> dict[str, dict[str, Path]]:
+    """Stage 1's capture over prompt + each answer vLLM produced: <run>/stores/<category>/<mode>."""
+    from dump.capture import HiddenStateCapture, capture_engine_overrides
+    from dump.engine import make_llm, shutdown_llm
+    from dump.pipeline import batched, open_writer, write_batch
+    from dump.template import TokenizedSample
+
+    stores: dict[str, dict[str, Path]] = {}
+    llm = make_llm(verifier, cfg.engine, **capture_engine_overrides(int(cfg.max_len)))
+    try:
+        capture = HiddenStateCapture(llm, list(cfg.verifier.aux_layer_ids))
+        for cat in categories:
+            for mode, run in runs[cat.name].items():
+                path = run_dir / "stores" / cat.name / mode
+                writer = open_writer(OmegaConf.create({
+                    "output_dir": str(path), "verifier": cfg.verifier, "store": cfg.store, "rank": 0,
+                    "world_size": 1, "eval": {"category": cat.name, "benchmark": cat.benchmark, "mode": mode,
+                                              "draft_dir": cfg.draft_dir}}))
+                done = writer.done_sample_ids()
+                samples = []
+                for prompt, answer in zip(cat.prompts, run.outputs):
+                    ids = np.asarray(prompt.ids + answer, dtype=np.int32)[:int(cfg.max_len)]
+                    mask = np.arange(len(ids)) >= len(prompt.ids)
+                    if prompt.id not in done and mask.any():
+                        samples.append(TokenizedSample(prompt.id, cat.name, ids, mask))
+                for batch in batched(samples, int(cfg.engine.max_num_seqs)):
+                    write_batch(writer, capture, batch)
+                writer.close()
+                stores.setdefault(cat.name, {})[mode] = path
+    finally:
+        shutdown_llm(llm)
+    return stores
+
+
+# ---- 4. simulated --------------------------------------------------------------------------
+def simulate_all(cfg: DictConfig, stores: dict[str, dict[str, Path]], verifier: Path,
+                 draft_dir: Path) -> dict[str, dict[str, Any]]:
+    """Per category: greedy replay on the greedy texts; the sampled expectation on the sampled texts."""
+    import torch
+
+    from dump.store import StoreReader
+    from model.checkpoint import load_draft
+    from model.verifier_weights import read_verifier_head
+    from train.simulate import Sampling, simulate_store
+
+    if cfg.simulate.threads:
+        torch.set_num_threads(int(cfg.simulate.threads))
+    draft = load_draft(draft_dir, verifier_dir=verifier).eval()
+    head = read_verifier_head(verifier, torch.float32).lm_head                   # [V, H]
+    chunk = max(1, int(cfg.simulate.chunk_bytes) // (4 * head.shape[0]))
+    K = int(cfg.num_speculative_tokens)
+    sampling = Sampling(float(cfg.sampled.temperature), float(cfg.sampled.top_p), str(cfg.draft_sample))
+    out = {}
+    for name, by_mode in stores.items():
+        greedy = simulate_store(draft, head, StoreReader(by_mode["greedy"]), K, None, chunk, progress=True).summary()
+        out[name] = {key: greedy[key] for key in ("samples", "answer_tokens", "greedy", "greedy_all_positions")}
+        if "sampled" in by_mode:
+            sampled = simulate_store(draft, head, StoreReader(by_mode["sampled"]), K, sampling, chunk, progress=True)
+            out[name]["sampled"] = sampled.summary()["sampled"]
+    return out
+
+
+# ---- 5. report -----------------------------------------------------------------------------
+def evaluate_draft(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from model.verifier import verifier_dir
+    from train import report
+    from train.card import write_card
+
+    draft_dir = resolve(cfg.draft_dir)
+    check_draft(draft_dir, cfg)
+    verifier = verifier_dir(cfg.verifier)
+    tokenizer = AutoTokenizer.from_pretrained(verifier)
+    stop = [tokenizer.convert_tokens_to_ids(cfg.verifier.end_of_turn)]
+    categories = load_categories(cfg, tokenizer)
+    began = time.perf_counter()
+    runs = measure_real(cfg, categories, verifier, draft_dir, stop)
+    stores = dump_texts(cfg, categories, runs, verifier, run_dir)
+    sims = simulate_all(cfg, stores, verifier, draft_dir)
+
+    results = {}
+    for cat in categories:
+        real = {mode: run.summary() for mode, run in runs[cat.name].items()}
+        sim = sims[cat.name]
+        results[cat.name] = {"benchmark": cat.benchmark, "n": len(cat.prompts), "real": real, "sim": sim,
+                             "greedy_gap": report.gap(sim["greedy"]["accept_length"], real["greedy"]["accept_length"]),
+                             "stores": {mode: str(p) for mode, p in stores[cat.name].items()}}
+    sampled = (f"T={cfg.sampled.temperature:g} top-p {cfg.sampled.top_p:g}" if cfg.sampled.enabled else None)
+    text = report.table(results, sampled)
+    out = {"draft_dir": str(draft_dir), "verifier": cfg.verifier.name, "num_speculative_tokens": int(cfg.num_speculative_tokens),
+           "max_tokens": int(cfg.max_tokens), "draft_sample": cfg.draft_sample, "sampled": OmegaConf.to_container(cfg.sampled),
+           "wall_s": time.perf_counter() - began, "categories": results, "table": text}
+    (run_dir / "eval.json").write_text(json.dumps(out, indent=2) + "\n")
+    if cfg.plot:
+        report.plot(results, run_dir / "acceptance.png", f"{draft_dir.name} on {cfg.verifier.name}: acceptance per draft position")
+    if cfg.card:
+        summary_path = draft_dir.parent / "summary.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+        write_card(draft_dir, cfg.verifier.name, str(cfg.verifier.path), int(cfg.verifier.serving_tp), summary, text)
+    return out
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="eval")
+def main(cfg: DictConfig) -> None:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    out = evaluate_draft(cfg, run_dir)
+    print(f"\naccept length of {out['draft_dir']} (topk 1, {out['num_speculative_tokens']} drafts; ceiling "
+          f"{out['num_speculative_tokens'] + 1}):\n{out['table']}\nreport: {run_dir / 'eval.json'}")
+
+
+if __name__ == "__main__":
+    main()

