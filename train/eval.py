@@ -219,7 +219,8 @@ def evaluate_draft(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
            "wall_s": time.perf_counter() - began, "categories": results, "table": text}
     (run_dir / "eval.json").write_text(json.dumps(out, indent=2) + "\n")
     if cfg.plot:
-        report.plot(results, run_dir / "acceptance.png", f"{draft_dir.name} on {cfg.verifier.name}: acceptance per draft position")
+        report.plot(results, run_dir / "acceptance.png",
+                    f"{draft_dir.parent.name}/{draft_dir.name} on {cfg.verifier.name}: acceptance per draft position")
     if cfg.card:
         summary_path = draft_dir.parent / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
