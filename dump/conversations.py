@@ -221,7 +221,10 @@ def load_conversations(
         conversations = read_humaneval()
     else:
         path = cfg["path"] if cfg["path"] is not None else _default_path(format)
-        conversations = read_conversations(path, format, cfg["on_error"], stats, cfg["require_answer"])
+        # Configs recorded before require_answer existed (the verifier's training facts, older
+        # stores) always required an answer.
+        conversations = read_conversations(path, format, cfg["on_error"], stats,
+                                           cfg.get("require_answer", True))
     split_key = sharegpt_split_key if format == "sharegpt" else (lambda sample_id: sample_id)
     fraction, seed, category = cfg["heldout_fraction"], cfg["split_seed"], cfg["category"]
 
