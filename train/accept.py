@@ -19,7 +19,6 @@ then accepts sum_k prod_{i<=k} alpha_i tokens on average.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -79,15 +78,10 @@ def decode_walk(accepted: Tensor, first: int, last: int, K: int) -> AcceptCounts
     return counts
 
 
-def chain_expectation(alpha: Tensor) -> Tensor:
-    """alpha [T, K] acceptance probability of draft k given drafts < k were accepted ->
-    [T, K]: probability that drafts 0..k of the chain are all accepted."""
-    return alpha.cumprod(dim=1)
-
-
 def expected_counts(alpha: Tensor) -> AcceptCounts:
-    """Expected counters over chains (one pass per row of alpha [T, K])."""
-    reach = chain_expectation(alpha.double())
+    """Expected counters over chains, one pass per row of alpha [T, K] (the probability that draft
+    k is accepted given drafts < k were): drafts 0..k all accepted with probability prod_{i<=k}."""
+    reach = alpha.double().cumprod(dim=1)                                # [T, K]
     return AcceptCounts(float(alpha.shape[0]), reach.sum(dim=0).tolist())
 
 
@@ -115,10 +109,3 @@ def acceptance_probability(target: Tensor, draft: Tensor, draft_sample: str) -> 
     if draft_sample == "greedy":
         return target.gather(-1, draft.argmax(dim=-1, keepdim=True)).squeeze(-1)
     raise ValueError(f"unknown draft sampling {draft_sample!r} (greedy | probabilistic)")
-
-
-def total_counts(counts: Sequence[AcceptCounts], K: int) -> AcceptCounts:
-    total = AcceptCounts.zeros(K)
-    for c in counts:
-        total = total + c
-    return total

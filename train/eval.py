@@ -18,7 +18,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hydra
 import numpy as np
@@ -26,7 +26,12 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 import model  # noqa: F401  (offline/cache environment first)
+from dump.conversations import Conversation, load_conversations
+from dump.template import as_chat, prompt_ids
 from model.paths import resolve
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger("train.eval")
 
@@ -45,10 +50,8 @@ class Category:
 
 
 # ---- 1. prompts ----------------------------------------------------------------------------
-def first_turn(conversation):
+def first_turn(conversation: Conversation) -> Conversation:
     """The conversation up to its first assistant turn (system + user): one prompt."""
-    from dump.conversations import Conversation
-
     messages = []
     for m in conversation.messages:
         if m.role == "assistant":
@@ -57,10 +60,7 @@ def first_turn(conversation):
     return Conversation(conversation.id, tuple(messages), conversation.category)
 
 
-def load_categories(cfg: DictConfig, tokenizer) -> list[Category]:
-    from dump.conversations import load_conversations
-    from dump.template import as_chat, prompt_ids
-
+def load_categories(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase) -> list[Category]:
     room = int(cfg.max_len) - int(cfg.max_tokens) - int(cfg.num_speculative_tokens) - 1
     categories = []
     for name, cat in cfg.categories.items():
