@@ -1,6 +1,6 @@
 """Measure numcodecs compressors on real verifier hidden states, to choose the store's codec.
 
-    .venv/bin/python bench/codecs.py [--verifier DIR] [--conversations 16] [--max-tokens 1024]
+    .venv/bin/python -m bench.codecs [--verifier DIR] [--conversations 16] [--max-tokens 1024]
 
 Runs the verifier (Hugging Face transformers, fp32, CPU) on a few ShareGPT train
 conversations rendered with its chat template, takes the aux hidden states (the ids of
