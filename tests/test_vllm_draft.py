@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 from model.checkpoint import export_draft, load_draft
 from model.draft import DraftConfig, Eagle3Draft, build_draft, compose_draft_conf
 from model.vocab import build_draft_vocab, count_tokens
+from train.speculative import speculative_engine
 
 pytestmark = pytest.mark.vllm
 
@@ -132,13 +133,6 @@ def install_recorder(llm) -> DrafterRecord:
     return record
 
 
-def spec_engine(verifier_dir: Path, engine_cfg: DictConfig, draft_dir: Path):
-    from dump.engine import make_llm
-
-    speculative = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": NUM_SPECULATIVE_TOKENS}
-    return make_llm(verifier_dir, engine_cfg, speculative_config=speculative, disable_log_stats=False)
-
-
 # ---- the draft under test -----------------------------------------------------------------
 def make_test_draft(cfg: DraftConfig, verifier_dir: Path, d2t: torch.Tensor | None = None) -> Eagle3Draft:
     torch.manual_seed(0)
@@ -218,7 +212,8 @@ def engine_on(draft: Eagle3Draft, verifier_dir: Path, engine_cfg: DictConfig, ou
     export_draft(draft, out_dir)
     ours = load_draft(out_dir, verifier_dir=verifier_dir)   # the exported (bf16-rounded) weights, in fp32
     with in_process_vllm():
-        llm = spec_engine(verifier_dir, engine_cfg, out_dir)
+        llm = speculative_engine(verifier_dir, engine_cfg, out_dir, NUM_SPECULATIVE_TOKENS, "greedy",
+                                 int(engine_cfg.max_model_len))
         try:
             yield llm, install_recorder(llm), ours
         finally:

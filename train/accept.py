@@ -19,7 +19,7 @@ then accepts sum_k prod_{i<=k} alpha_i tokens on average.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -29,21 +29,19 @@ from torch import Tensor
 class AcceptCounts:
     """vLLM's spec-decode counters: passes with K drafts, and accepted drafts per position."""
 
-    drafts: float = 0.0
-    accepted_per_pos: list[float] = field(default_factory=list)   # [K]
+    drafts: float
+    accepted_per_pos: list[float]   # [K]
 
     @classmethod
     def zeros(cls, K: int) -> AcceptCounts:
         return cls(0.0, [0.0] * K)
 
     def __add__(self, other: AcceptCounts) -> AcceptCounts:
-        if not self.accepted_per_pos:
-            return AcceptCounts(other.drafts, list(other.accepted_per_pos))
-        if other.accepted_per_pos and len(other.accepted_per_pos) != len(self.accepted_per_pos):
+        if len(other.accepted_per_pos) != len(self.accepted_per_pos):
             raise ValueError(f"cannot add counts of {len(self.accepted_per_pos)} and "
                              f"{len(other.accepted_per_pos)} draft positions")
-        pos = other.accepted_per_pos or [0.0] * len(self.accepted_per_pos)
-        return AcceptCounts(self.drafts + other.drafts, [a + b for a, b in zip(self.accepted_per_pos, pos)])
+        return AcceptCounts(self.drafts + other.drafts,
+                            [a + b for a, b in zip(self.accepted_per_pos, other.accepted_per_pos)])
 
     def per_position(self) -> list[float]:
         """Share of passes whose drafts 0..k were all accepted, per draft position k."""

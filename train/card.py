@@ -13,6 +13,13 @@ from typing import Any
 from model.checkpoint import CONFIG_FILE, vllm_to_sglang_aux_ids
 
 CARD = "README.md"
+SUMMARY = "summary.json"   # a training run's summary, in the run folder that holds <run>/draft
+
+
+def run_summary(draft_dir: Path) -> dict[str, Any] | None:
+    """The summary of the training run that exported `draft_dir`, when it is a run's draft folder."""
+    path = Path(draft_dir).parent / SUMMARY
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def _architecture(config: dict[str, Any]) -> list[str]:

@@ -192,7 +192,7 @@ def evaluate_draft(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     from model.verifier import verifier_dir
     from train import report
-    from train.card import write_card
+    from train.card import run_summary, write_card
 
     draft_dir = resolve(cfg.draft_dir)
     check_draft(draft_dir, cfg)
@@ -222,9 +222,8 @@ def evaluate_draft(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         report.plot(results, run_dir / "acceptance.png",
                     f"{draft_dir.parent.name}/{draft_dir.name} on {cfg.verifier.name}: acceptance per draft position")
     if cfg.card:
-        summary_path = draft_dir.parent / "summary.json"
-        summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
-        write_card(draft_dir, cfg.verifier.name, str(cfg.verifier.path), int(cfg.verifier.serving_tp), summary, text)
+        write_card(draft_dir, cfg.verifier.name, str(cfg.verifier.path), int(cfg.verifier.serving_tp),
+                   run_summary(draft_dir), text)
     return out
 
 

@@ -30,7 +30,7 @@ from model.verifier import verifier_dir
 from model.verifier_weights import read_token_ids, read_verifier_head
 from model.vocab import build_draft_vocab, count_tokens
 from train import engine as E
-from train.card import write_card
+from train.card import SUMMARY, write_card
 from train.batches import (PackedRows, StoreSplit, check_store, iterate_token_masks, make_loader,
                            rank_rows)
 from train.evaluate import evaluate
@@ -41,7 +41,6 @@ logger = logging.getLogger(__name__)
 
 DRAFT_CONFIG = "draft_config.json"
 VOCAB = "vocab.safetensors"
-SUMMARY = "summary.json"
 EXPORT_DIR = "draft"
 
 

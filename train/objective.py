@@ -31,13 +31,14 @@ Memory: logits exist only for `chunk` tokens at a time ([chunk, V] fp32 blocks o
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-from model.draft import Eagle3Draft
+from model.draft import Eagle3Draft, StepOutput
 from model.vocab import target_ids_of
 
 
@@ -94,6 +95,20 @@ def step_inputs(batch: dict[str, Tensor], k: int) -> tuple[Tensor, Tensor, Tenso
     ids = shift_in_sample(batch["input_ids"], seg, 1 + k, 0)
     counted = shift_in_sample(batch["loss_mask"], seg, 2 + k, False) & (seg >= 0)
     return ids, batch["position_ids"] + k, counted
+
+
+def draft_chain(draft: Eagle3Draft, batch: dict[str, Tensor], steps: int
+                ) -> Iterator[tuple[int, StepOutput, Tensor]]:
+    """The draft's TTT chain over a micro-batch, as training and the accept-length simulation both
+    run it: (k, step k's output, counted [B, T] bool) for k < steps, each step reading the previous
+    step's hidden states and attention cache."""
+    hidden = draft.project_aux(batch["aux"].to(draft.fc.weight.dtype))   # [B, T, H]
+    cache = None
+    for k in range(steps):
+        ids, positions, counted = step_inputs(batch, k)
+        out = draft.step(ids, hidden, positions, cache, batch["segment_ids"], with_logits=False)
+        yield k, out, counted
+        hidden, cache = out.hidden, out.cache
 
 
 # ---- chunked soft cross-entropy -------------------------------------------------------------
@@ -234,14 +249,10 @@ class Eagle3Objective(nn.Module):
         dtype = draft.fc.weight.dtype
         keep = None if draft.d2t is None else target_ids_of(draft.d2t)
         final = batch["final"].to(dtype)                                    # [B, T, H]
-        hidden = draft.project_aux(batch["aux"].to(dtype))                  # [B, T, H]
-        cache = None
         loss = torch.zeros((), dtype=torch.float32, device=final.device)
         sums, correct, counts, chain = [], [], [], []
         alive = None              # [B, T] chains started at step 0 and still all correct
-        for k, weight in enumerate(self.cfg.weights(steps)):
-            ids, positions, counted = step_inputs(batch, k)
-            out = draft.step(ids, hidden, positions, cache, batch["segment_ids"], with_logits=False)
+        for (k, out, counted), weight in zip(draft_chain(draft, batch, steps), self.cfg.weights(steps)):
             b, t = counted.nonzero(as_tuple=True)                           # counted positions
             loss_sum, agree = soft_cross_entropy(out.normed[b, t], draft.lm_head.weight,
                                                  final[b, t + 1 + k], self.target_head, keep, self.chunk)
@@ -254,7 +265,6 @@ class Eagle3Objective(nn.Module):
             right[b, t] = agree
             alive = right if alive is None else alive & right
             chain.append(alive.sum().double())
-            hidden, cache = out.hidden, out.cache
         return ObjectiveOutput(loss, StepStats(torch.stack(sums), torch.stack(correct), torch.stack(counts),
                                                torch.stack(chain)))
 

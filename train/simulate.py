@@ -1,6 +1,6 @@
 """Simulated accept length of an exported draft on a store's samples (no vLLM).
 
-For every sample the draft runs its chain as in training (train/objective.py's step_inputs: step
+For every sample the draft runs its chain as in training (train/objective.py's draft_chain: step
 k at position t reads x_{t+1+k} and its own previous hidden state) for K = the number of
 speculative tokens, and each draft is compared with the verifier's distribution at the position
 it predicts (the stored final hidden state through the verifier's lm_head):
@@ -26,7 +26,7 @@ from model.draft import Eagle3Draft
 from train.accept import (AcceptCounts, acceptance_probability, decode_walk, expected_counts,
                           leading_run, sampling_probs)
 from train.batches import collate_rows, pack_row
-from train.objective import step_inputs
+from train.objective import draft_chain
 
 
 @dataclass(frozen=True)
@@ -78,18 +78,13 @@ def answer_spans(loss_mask: Tensor) -> list[tuple[int, int]]:
 def chain_outcomes(draft: Eagle3Draft, target_head: Tensor, sample: Sample, K: int,
                    sampling: Sampling | None, chunk: int) -> tuple[Tensor, Tensor | None]:
     """(agree [T, K] bool, alpha [T, K] float or None) of the chains at every position of one sample."""
-    dtype = draft.fc.weight.dtype
     batch = collate_rows([pack_row([(sample.input_ids, sample.loss_mask, sample.aux, sample.final)],
                                    len(sample.input_ids))])
-    final = batch["final"][0].to(dtype)                                  # [T, H]
+    final = batch["final"][0]                                            # [T, H]
     T = final.shape[0]
     agree = torch.zeros(T, K, dtype=torch.bool)
     alpha = torch.zeros(T, K) if sampling is not None else None
-    hidden = draft.project_aux(batch["aux"].to(dtype))                   # [1, T, H]
-    cache = None
-    for k in range(K):
-        ids, positions, counted = step_inputs(batch, k)
-        out = draft.step(ids, hidden, positions, cache, batch["segment_ids"], with_logits=False)
+    for k, out, counted in draft_chain(draft, batch, K):
         rows = counted[0].nonzero().squeeze(1)                           # chain positions t
         for c in range(0, rows.numel(), chunk):
             t = rows[c:c + chunk]
@@ -100,7 +95,6 @@ def chain_outcomes(draft: Eagle3Draft, target_head: Tensor, sample: Sample, K: i
                 p = sampling_probs(target, sampling.temperature, sampling.top_p)
                 q = sampling_probs(mine, sampling.temperature)           # vLLM's drafts: temperature only
                 alpha[t, k] = acceptance_probability(p, q, sampling.draft_sample)
-        hidden, cache = out.hidden, out.cache
     return agree, alpha
 
 
