@@ -208,6 +208,11 @@ def collate_rows(rows: Sequence[Batch]) -> Batch:
     return out
 
 
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    """A micro-batch on the compute device (asynchronous from pinned memory)."""
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
 def _worker_init(_: int) -> None:
     torch.set_num_threads(1)  # workers decode and copy; the trainer's threads do the math
 

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 
 import torch
 
+from train.batches import to_device
 from train.engine import all_reduce_sum
 from train.metrics import step_metrics
 from train.objective import StepStats
@@ -29,8 +30,7 @@ def evaluate(engine, batches: Iterable[dict[str, torch.Tensor]], counted: Iterab
     engine.eval()
     total = StepStats.zeros(steps, engine.device)
     for batch, keep in zip(batches, counted, strict=True):
-        batch = {k: v.to(engine.device, non_blocking=True) for k, v in batch.items()}
-        stats = engine(batch, steps).stats.stacked().to(total.device)
+        stats = engine(to_device(batch, engine.device), steps).stats.stacked().to(total.device)
         if keep:
             total += stats
     all_reduce_sum(total)

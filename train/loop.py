@@ -32,7 +32,7 @@ from model.vocab import build_draft_vocab, count_tokens
 from train import engine as E
 from train.card import SUMMARY, write_card
 from train.batches import (PackedRows, StoreSplit, check_store, iterate_token_masks, make_loader,
-                           rank_rows)
+                           rank_rows, to_device)
 from train.evaluate import evaluate
 from train.metrics import RunLog, step_metrics
 from train.objective import Eagle3Objective, ObjectiveConfig, StepStats
@@ -106,10 +106,6 @@ def build_objective(setup: RunSetup, cfg: DictConfig) -> Eagle3Objective:
     return Eagle3Objective(draft, target_head, _objective_config(cfg))
 
 
-def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
 def train_step(engine, batches: Iterator[dict[str, torch.Tensor]], grad_accum: int, steps: int,
                step: int, last_checkpoint: Path | None) -> tuple[torch.Tensor, float, float]:
     """One optimizer step over grad_accum micro-batches: (stats [4, K] summed over ranks,
@@ -118,7 +114,7 @@ def train_step(engine, batches: Iterator[dict[str, torch.Tensor]], grad_accum: i
     stats = StepStats.zeros(steps, device)
     sums = torch.zeros(2, dtype=torch.float64, device=device)          # loss, tokens
     for _ in range(grad_accum):
-        batch = _to(next(batches), device)
+        batch = to_device(next(batches), device)
         out = engine(batch)
         E.check_finite(out.loss.detach(), step, last_checkpoint)
         engine.backward(out.loss)
