@@ -22,9 +22,9 @@ import psutil
 from transformers import AutoTokenizer
 
 import model  # noqa: F401  (offline/cache environment)
-from dump.capture import HiddenStateCapture, capture_engine_overrides
+from dump.capture import HiddenStateCapture, capture_spec, start_capture_engine
 from dump.conversations import load_conversations
-from dump.engine import make_llm, shutdown_llm
+from dump.engine import shutdown_llm
 from dump.store import StoreWriter, inspect_store, verifier_identity
 from dump.template import SampleRejected, tokenize_conversation
 from model.paths import REPO_ROOT
@@ -113,8 +113,9 @@ def main() -> None:
         return store
 
     with PeakRSS() as rss:
-        llm = make_llm(vdir, cfg.engine, **capture_engine_overrides(cfg.max_len))
-        capture = HiddenStateCapture(llm, aux_ids)
+        spec = capture_spec(cfg.verifier)
+        llm = start_capture_engine(vdir, cfg.engine, spec, cfg.max_len)
+        capture = HiddenStateCapture(llm, spec)
         prefill_only()  # warm-up
         base_s, dump_s, fp8_s = [], [], []
         for r in range(args.rounds):

@@ -79,7 +79,8 @@ def store_batch(cfg: DictConfig, setup) -> tuple[dict[str, torch.Tensor], str]:
     t = cfg.train
     stream = setup.split.train_stream(int(t.max_len), int(cfg.seed))
     rows = PackedRows(setup.split.path, setup.split.train,
-                      [stream.row(i)[1] for i in range(int(t.micro_batch))], int(t.max_len))
+                      [stream.row(i)[1] for i in range(int(t.micro_batch))], int(t.max_len),
+                      bool(t.loss.last_turn_only))
     return collate_rows([rows[i] for i in range(len(rows))]), f"store {setup.split.path}"
 
 
@@ -130,14 +131,14 @@ def deepspeed_step_time(cfg: DictConfig, objective, batch, total_steps: int, rep
 
 def plain_step_time(cfg: DictConfig, objective, batch, total_steps: int, repeats: int) -> float:
     """The same work without DeepSpeed: torch AdamW, clip_grad_norm_, the same lr schedule."""
-    from train.engine import lr_factor
+    from train.engine import lr_factor, warmup_steps_of
 
     t = cfg.train
     params = [p for p in objective.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=float(t.lr), betas=tuple(t.betas), eps=float(t.eps),
                                   weight_decay=float(t.weight_decay))
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_factor(int(t.warmup_steps), total_steps, float(t.min_lr_ratio)))
+        optimizer, lr_factor(warmup_steps_of(t, total_steps), total_steps, float(t.min_lr_ratio)))
     device = next(objective.parameters()).device
 
     def step() -> None:

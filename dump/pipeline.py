@@ -12,9 +12,9 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from dump.capture import HiddenStateCapture, capture_engine_overrides
+from dump.capture import HiddenStateCapture, capture_spec, start_capture_engine
 from dump.conversations import Conversation, ReadStats, load_conversations
-from dump.engine import make_llm, shutdown_llm
+from dump.engine import shutdown_llm
 from dump.regenerate import regenerate
 from dump.store import StoreWriter, verifier_identity
 from dump.template import SampleRejected, TokenizedSample, tokenize_conversation
@@ -34,6 +34,7 @@ def open_writer(cfg: DictConfig) -> StoreWriter:
                        list(cfg.verifier.aux_layer_ids), cfg.store,
                        OmegaConf.to_container(cfg, resolve=True),
                        aux_convention=cfg.verifier.aux_convention,
+                       aux_capture=cfg.verifier.aux_capture,
                        rank=cfg.rank, world_size=cfg.world_size)
 
 
@@ -61,10 +62,11 @@ def run_dump(cfg: DictConfig, llm=None) -> dict[str, Any]:
     todo = (c for c in load_conversations(cfg.data, cfg.split, read_stats)
             if writer.owns(c.id) and c.id not in done)
 
+    spec = capture_spec(cfg.verifier)
     own_engine = llm is None
     if own_engine:
-        llm = make_llm(vdir, cfg.engine, **capture_engine_overrides(cfg.max_len))
-    capture = HiddenStateCapture(llm, list(cfg.verifier.aux_layer_ids))
+        llm = start_capture_engine(vdir, cfg.engine, spec, cfg.max_len)
+    capture = HiddenStateCapture(llm, spec)
     tokens = 0
     start = time.time()
     bar = tqdm(desc=f"dump rank {writer.rank}", unit="sample", dynamic_ncols=True)

@@ -3,8 +3,9 @@
 Stage 1 writes with `StoreWriter`; stage 2 reads with `StoreReader` only. A store is a folder:
 
     store.json                       written once, atomically, by whichever rank comes first:
-                                     format version, verifier identity, aux layer ids and their
-                                     convention, storage settings, dump config
+                                     format version, verifier identity, aux layer ids, their
+                                     convention and what they capture, storage settings, dump
+                                     config
     shards/r00000-000000.zarr/       one Zarr v3 group per committed shard; its attributes repeat
                                      store.json (a shard describes itself) and list the sample ids
     shards/.tmp-r00000-000001.zarr/  a shard being written, renamed into place once complete and
@@ -60,6 +61,14 @@ FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 # with per-token scales, final as bf16; fp32: both as float32 (exact for a verifier computing in
 # fp32, as kimi-tiny does on CPU; twice the bytes of bf16).
 MODES = ("bf16", "fp8", "fp32")
+# What the hidden state of an aux id is (conf/verifier `aux_capture`): residual_stream, the
+# DeepSeek-V3 hidden + residual entering layer k (Kimi-K2, kimi-tiny); for Kimi-K3, whose blocks
+# keep a prefix sum of their layers' outputs, prefix_only (that prefix sum: vLLM's default, what
+# EAGLE-3 drafts are served with) or attn_res_stream (the AttnRes-mixed stream). A draft trained
+# on one and served with another loses most of its acceptance, so a store records it.
+AUX_CAPTURES = ("residual_stream", "prefix_only", "attn_res_stream")
+# Stores written before store.json named the capture were all of DeepSeek-V3 verifiers.
+LEGACY_AUX_CAPTURE = "residual_stream"
 
 STORE_META = "store.json"
 SHARDS_DIR = "shards"
@@ -244,12 +253,13 @@ def decode_fp8(codes: np.ndarray, scale: np.ndarray, dtype: torch.dtype = torch.
 
 
 def _store_meta(identity: Mapping[str, Any], aux_layer_ids: Sequence[int], aux_convention: str,
-                storage: StorageSettings, dump_cfg: Any) -> dict[str, Any]:
+                aux_capture: str, storage: StorageSettings, dump_cfg: Any) -> dict[str, Any]:
     return {
         "format_version": FORMAT_VERSION,
         "verifier": dict(_plain(identity)),
         "aux_layer_ids": [int(i) for i in _plain(aux_layer_ids)],
         "aux_convention": str(aux_convention),
+        "aux_capture": check_aux_capture(aux_capture),
         "storage": asdict(storage),
         "dtypes": {AUX: _LOGICAL_DTYPES[(AUX, storage.mode)],
                    FINAL: _LOGICAL_DTYPES[(FINAL, storage.mode)],
@@ -257,6 +267,18 @@ def _store_meta(identity: Mapping[str, Any], aux_layer_ids: Sequence[int], aux_c
         "checksum": "crc32c",
         "dump": _plain(dump_cfg) if dump_cfg is not None else {},
     }
+
+
+def check_aux_capture(aux_capture: str) -> str:
+    """The capture mode, refused unless one of AUX_CAPTURES."""
+    if aux_capture not in AUX_CAPTURES:
+        raise ValueError(f"aux capture {aux_capture!r}: use one of {AUX_CAPTURES}")
+    return str(aux_capture)
+
+
+def aux_capture_of(meta: Mapping[str, Any]) -> str:
+    """The capture mode a store.json (or a shard's attributes) records; legacy ones have none."""
+    return str(meta.get("aux_capture", LEGACY_AUX_CAPTURE))
 
 
 def _compatibility(meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -268,6 +290,7 @@ def _compatibility(meta: Mapping[str, Any]) -> dict[str, Any]:
         **{f"verifier.{k}": verifier.get(k) for k in keys},
         "aux_layer_ids": list(meta["aux_layer_ids"]),
         "aux_convention": meta["aux_convention"],
+        "aux_capture": aux_capture_of(meta),
         "storage.mode": meta["storage"]["mode"],
     }
 
@@ -527,13 +550,15 @@ class StoreWriter:
 
     def __init__(self, path: str | Path, identity: Mapping[str, Any], aux_layer_ids: Sequence[int],
                  storage_cfg: Mapping[str, Any], dump_cfg: Any = None, *, aux_convention: str,
-                 rank: int | None = None, world_size: int | None = None):
+                 aux_capture: str = LEGACY_AUX_CAPTURE, rank: int | None = None,
+                 world_size: int | None = None):
         self.path = Path(path)
         self.rank, self.world_size = dist_env(rank, world_size)
         self.storage = StorageSettings.from_cfg(storage_cfg)
         for folder in (self.path, self.path / SHARDS_DIR, self.path / MANIFEST_DIR):
             folder.mkdir(parents=True, exist_ok=True)
-        wanted = _store_meta(identity, aux_layer_ids, aux_convention, self.storage, dump_cfg)
+        wanted = _store_meta(identity, aux_layer_ids, aux_convention, aux_capture, self.storage,
+                             dump_cfg)
         self.meta = _create_or_check_meta(self.path, wanted)
         self._lock = _lock_rank(self.path, self.rank)
         # This run's settings go into its shards (the same as store.json where it matters).
@@ -879,6 +904,10 @@ class StoreReader:
         return self.meta["aux_convention"]
 
     @property
+    def aux_capture(self) -> str:
+        return aux_capture_of(self.meta)
+
+    @property
     def hidden_size(self) -> int:
         return int(self.identity["hidden_size"])
 
@@ -1049,6 +1078,7 @@ def inspect_store(path: str | Path, verify: bool = True) -> dict[str, Any]:
         "hidden_size": hidden,
         "aux_layer_ids": reader.aux_layer_ids,
         "aux_convention": reader.aux_convention,
+        "aux_capture": reader.aux_capture,
         "mode": reader.mode,
         "compressor": reader.meta["storage"]["compressor"],
         "shards": len(entries),
@@ -1105,7 +1135,8 @@ def format_inspect(report: Mapping[str, Any]) -> str:
     lines = [
         f"store         {report['path']} (format {report['format_version']})",
         f"verifier      {report['verifier']}: H={report['hidden_size']}, aux layers "
-        f"{report['aux_layer_ids']} ({report['aux_convention']} convention)",
+        f"{report['aux_layer_ids']} ({report['aux_convention']} convention, "
+        f"{report['aux_capture']} capture)",
         f"storage       {report['mode']}, compressor {report['compressor']}",
         f"contents      {report['shards']:,} shards, {report['samples']:,} samples, "
         f"{report['tokens']:,} tokens, {len(report['rejected']):,} rejected",

@@ -54,6 +54,9 @@ class DraftConfig:
     # The verifier the draft reads from.
     target_hidden_size: int
     target_num_hidden_layers: int
+    # The verifier's model_type (deepseek_v3 | kimi_k3): decides which aux ids the exported
+    # eagle_config carries for SGLang and TokenSpeed (model/checkpoint.py).
+    target_model_type: str
     aux_layer_ids: tuple[int, ...]          # vLLM convention (id k = hidden state entering layer k)
     bos_token_id: int | list[int] | None = None
     eos_token_id: int | list[int] | None = None
@@ -112,6 +115,7 @@ class DraftConfig:
             draft_vocab_size=d["draft_vocab_size"] or d["vocab_size"],
             target_hidden_size=d["target_hidden_size"],
             target_num_hidden_layers=d["target_num_hidden_layers"],
+            target_model_type=str(d["target_model_type"]),
             aux_layer_ids=tuple(aux),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
@@ -248,9 +252,9 @@ class Eagle3Draft(nn.Module):
     @torch.no_grad()
     def load_verifier_embedding(self, verifier_dir: Path) -> None:
         """Only the embedding (for a trained draft whose norm and lm_head come from its checkpoint)."""
-        from model.verifier_weights import EMBED, read_tensors
+        from model.verifier_weights import read_verifier_embedding
 
-        self.embed_tokens.copy_(read_tensors(verifier_dir, [EMBED])[EMBED])
+        self.embed_tokens.copy_(read_verifier_embedding(verifier_dir))
 
     # ---- forward pieces -------------------------------------------------------------------
     def project_aux(self, aux: Tensor) -> Tensor:

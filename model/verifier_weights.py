@@ -2,7 +2,8 @@
 
 A Kimi verifier is ~1T parameters: the draft needs only its embedding, final norm and lm_head,
 so they are read one by one with `safe_open` (single model.safetensors or sharded with
-model.safetensors.index.json); no other tensor is ever loaded.
+model.safetensors.index.json); no other tensor is ever loaded. Their names depend on the
+checkpoint's layout (LAYOUTS): Kimi-K3 keeps them under `language_model.`.
 """
 from __future__ import annotations
 
@@ -18,8 +19,23 @@ from torch import Tensor
 EMBED = "model.embed_tokens.weight"
 NORM = "model.norm.weight"
 LM_HEAD = "lm_head.weight"
-# Multimodal wrappers (Kimi-K2.5/K3 style) nest the language model one level down.
-PREFIXES = ("", "language_model.")
+
+
+@dataclass(frozen=True)
+class HeadNames:
+    """Where one checkpoint layout keeps the embedding, the final norm and lm_head."""
+
+    embed_tokens: str
+    norm: str
+    lm_head: str
+
+
+# A causal LM (DeepSeek-V3, Kimi-K2, kimi-tiny), and a multimodal wrapper whose text tower sits
+# under `language_model.` (Kimi-K2.5, Kimi-K3: vLLM's KimiK3ForConditionalGeneration loads its
+# language_model.model.{embed_tokens,norm} and language_model.lm_head unrenamed). One layout is
+# chosen for all three, so a head is never assembled from two models' tensors.
+LAYOUTS = (HeadNames(EMBED, NORM, LM_HEAD),
+           HeadNames("language_model." + EMBED, "language_model." + NORM, "language_model." + LM_HEAD))
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -64,23 +80,35 @@ class VerifierHead:
     lm_head: Tensor
 
 
-def _resolve(names: set[str], canonical: str) -> str | None:
-    for prefix in PREFIXES:
-        if prefix + canonical in names:
-            return prefix + canonical
-    return None
+def head_names(verifier_dir: Path) -> HeadNames:
+    """The layout of LAYOUTS whose embedding and final norm the verifier's weights hold."""
+    return _layout_of(set(weight_map(verifier_dir)), verifier_dir)
+
+
+def _layout_of(names: set[str], verifier_dir: Path) -> HeadNames:
+    found = [layout for layout in LAYOUTS if {layout.embed_tokens, layout.norm} <= names]
+    if len(found) != 1:
+        tried = "; ".join(f"{layout.embed_tokens} + {layout.norm}" for layout in LAYOUTS)
+        what = "holds more than one of" if found else "has none of"
+        raise KeyError(f"{verifier_dir} {what} the embedding + final norm layouts ({tried})")
+    return found[0]
+
+
+def read_verifier_embedding(verifier_dir: Path) -> Tensor:
+    """The embedding [V, H] alone, as stored, under the verifier's layout."""
+    name = head_names(verifier_dir).embed_tokens
+    return read_tensors(verifier_dir, [name])[name]
 
 
 def read_verifier_head(verifier_dir: Path, dtype: torch.dtype | None = None) -> VerifierHead:
     """Embedding, final norm and lm_head (the embedding when lm_head is tied and absent)."""
     names = set(weight_map(verifier_dir))
-    resolved = {c: _resolve(names, c) for c in (EMBED, NORM, LM_HEAD)}
-    if resolved[EMBED] is None or resolved[NORM] is None:
-        raise KeyError(f"{verifier_dir} has no {EMBED} / {NORM}")
-    tensors = read_tensors(verifier_dir, [n for n in resolved.values() if n is not None])
-    embed = tensors[resolved[EMBED]]
-    lm_head = tensors[resolved[LM_HEAD]] if resolved[LM_HEAD] is not None else embed  # tied embeddings
-    head = VerifierHead(embed, tensors[resolved[NORM]], lm_head)
+    layout = _layout_of(names, verifier_dir)
+    tied = layout.lm_head not in names
+    wanted = [layout.embed_tokens, layout.norm] + ([] if tied else [layout.lm_head])
+    tensors = read_tensors(verifier_dir, wanted)
+    embed = tensors[layout.embed_tokens]
+    head = VerifierHead(embed, tensors[layout.norm], embed if tied else tensors[layout.lm_head])
     if dtype is not None:
         head = VerifierHead(*(t.to(dtype) for t in (head.embed_tokens, head.norm, head.lm_head)))
     return head

@@ -13,6 +13,18 @@ from model.config import compose_config
 from model.verifier import verifier_dir
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`gpu` tests need a CUDA device; without one they are skipped, saying so."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def kimi_tiny_cfg() -> DictConfig:
     return compose_config("build_verifier").verifier
@@ -32,10 +44,13 @@ def cpu_engine_cfg() -> DictConfig:
 
 @pytest.fixture(scope="session")
 def verifier_llm(kimi_tiny_dir: Path, cpu_engine_cfg: DictConfig) -> Iterator[object]:
-    """One vLLM engine on kimi-tiny (fp32, CPU) shared by every test that only decodes."""
-    from dump.engine import make_llm, shutdown_llm
+    """One vLLM capture engine on kimi-tiny (fp32, CPU, eager) shared by the tests that decode or
+    capture: the engine `make dump` starts (dump.capture.start_capture_engine)."""
+    from dump.capture import capture_spec, start_capture_engine
+    from dump.engine import shutdown_llm
 
-    llm = make_llm(kimi_tiny_dir, cpu_engine_cfg)
+    cfg = compose_config("dump")
+    llm = start_capture_engine(kimi_tiny_dir, cpu_engine_cfg, capture_spec(cfg.verifier), int(cfg.max_len))
     yield llm
     shutdown_llm(llm)
     del llm

@@ -13,7 +13,7 @@ from dump.store import StoreMismatchError, StoreReader, StoreWriter, verifier_id
 from model.draft import DraftConfig, compose_draft_conf
 from model.config import compose_config
 from train.batches import (PAD_SEGMENT, PackedRows, RowStream, StoreSplit, check_store, collate_rows,
-                           pack_next_fit, rank_rows, split_samples)
+                           last_turn_mask, pack_next_fit, pack_row, rank_rows, split_samples)
 
 
 # ---- packing and order --------------------------------------------------------------------------
@@ -86,6 +86,52 @@ def test_packed_rows_hold_the_samples_with_restarting_positions(train_store: Pat
     assert len(cut["input_ids"]) == 16                      # a long sample is cut to max_len
 
 
+def _mask(bits: str) -> torch.Tensor:
+    return torch.tensor([b == "1" for b in bits])
+
+
+@pytest.mark.parametrize("bits,last", [
+    ("0011100110", "0000000110"),    # two turns: the second stays
+    ("0110001111", "0000001111"),    # the last turn runs to the end of the sample
+    ("1110000000", "1110000000"),    # one turn from the first token
+    ("0000000000", "0000000000"),    # no assistant token
+])
+def test_last_turn_mask_keeps_the_last_run(bits: str, last: str) -> None:
+    assert torch.equal(last_turn_mask(_mask(bits)), _mask(last))
+
+
+def test_last_turn_only_rows_count_the_last_turn_of_each_whole_sample() -> None:
+    H, n = 2, 3
+    def sample(bits: str) -> tuple[torch.Tensor, ...]:
+        T = len(bits)
+        return torch.arange(T), _mask(bits), torch.zeros(T, n, H), torch.zeros(T, H)
+    samples = [sample("0110011100"), sample("0111000011")]
+    full = pack_row(samples, max_len=20)
+    assert full["loss_mask"].tolist() == _mask("0110011100" "0111000011").tolist()
+    last = pack_row(samples, max_len=20, last_turn_only=True)["loss_mask"]
+    assert last.tolist() == _mask("0000011100" "0000000011").tolist()
+    # Cut to 6 tokens: the first sample keeps the start of its last turn; the second loses its
+    # last turn, and an earlier turn does not take its place.
+    assert pack_row(samples[:1], max_len=6, last_turn_only=True)["loss_mask"].tolist() == \
+        _mask("000001").tolist()
+    assert not pack_row(samples[1:], max_len=6, last_turn_only=True)["loss_mask"].any()
+
+
+def test_packed_rows_apply_last_turn_only(train_store: Path) -> None:
+    reader = StoreReader(train_store)
+    refs = reader.samples()
+    turns = [int((m[1:] & ~m[:-1]).sum() + m[0]) for m in (reader.read_tokens(r)[1] for r in refs)]
+    multi = [i for i, t in enumerate(turns) if t > 1]
+    assert multi, "the test store has no multi-turn sample"
+    i = multi[0]
+    row = PackedRows(train_store, refs, [[i]], max_len=4096, last_turn_only=True)[0]
+    stored = reader.read_tokens(refs[i])[1]
+    assert torch.equal(row["loss_mask"], last_turn_mask(stored))
+    assert 0 < int(row["loss_mask"].sum()) < int(stored.sum())
+    plain = PackedRows(train_store, refs, [[i]], max_len=4096)[0]
+    assert torch.equal(plain["loss_mask"], stored)
+
+
 def test_loader_workers_read_the_same_batches(train_store: Path) -> None:
     from train.batches import make_loader
 
@@ -107,11 +153,13 @@ def test_matching_store_is_accepted(train_store: Path, draft_verifier_dir: Path)
     check_store(StoreReader(train_store), _draft_cfg(draft_verifier_dir), draft_verifier_dir)
 
 
-def _tiny_store(path: Path, verifier: Path, aux_ids: list[int], **identity_changes) -> Path:
+def _tiny_store(path: Path, verifier: Path, aux_ids: list[int], aux_capture: str = "residual_stream",
+                **identity_changes) -> Path:
     cfg = compose_config("dump")
     identity = verifier_identity(verifier, "kimi-tiny") | identity_changes
     H, n = identity["hidden_size"], len(aux_ids)
-    with StoreWriter(path, identity, aux_ids, cfg.store, {}, aux_convention="vllm", rank=0, world_size=1) as w:
+    with StoreWriter(path, identity, aux_ids, cfg.store, {}, aux_convention="vllm", aux_capture=aux_capture,
+                     rank=0, world_size=1) as w:
         w.add("s0", torch.arange(4), torch.ones(4, dtype=torch.bool), torch.zeros(4, n, H), torch.zeros(4, H))
     return path
 
@@ -130,6 +178,21 @@ def test_mismatched_store_is_refused(tmp_path: Path, draft_verifier_dir: Path, c
     assert "does not match the draft config" in str(error.value)
 
 
+@pytest.mark.parametrize("store_mode,draft_mode", [("prefix_only", "residual_stream"),
+                                                   ("attn_res_stream", "prefix_only")])
+def test_store_of_another_aux_capture_is_refused(tmp_path: Path, draft_verifier_dir: Path,
+                                                 store_mode: str, draft_mode: str) -> None:
+    store = _tiny_store(tmp_path / "store", draft_verifier_dir, [2, 4, 5], aux_capture=store_mode)
+    with pytest.raises(StoreMismatchError) as error:
+        check_store(StoreReader(store), _draft_cfg(draft_verifier_dir), draft_verifier_dir,
+                    aux_capture=draft_mode)
+    message = str(error.value)
+    assert f"store {store}" in message
+    assert f"aux capture: store has {store_mode} states, the draft is trained for {draft_mode}" in message
+    check_store(StoreReader(store), _draft_cfg(draft_verifier_dir), draft_verifier_dir,
+                aux_capture=store_mode)                                # the same mode: accepted
+
+
 def test_store_of_another_verifier_checkpoint_is_refused(tmp_path: Path, draft_verifier_dir: Path,
                                                          train_store: Path) -> None:
     """Same shapes, other weights' config (a retrained verifier): its hash differs."""
@@ -144,8 +207,40 @@ def test_store_of_another_verifier_checkpoint_is_refused(tmp_path: Path, draft_v
 
 
 def test_row_length_and_lr_follow_the_verifier_recipe() -> None:
-    """Kimi configs pack 8192-token rows at lr 2e-5 (the published drafts); kimi-tiny is smaller."""
+    """Kimi configs train at lr 2e-5 (the published drafts); kimi-tiny's rows are shorter."""
+    from train.engine import warmup_steps_of
+
     k2 = compose_config("train", ["verifier=kimi_k2", "draft=kimi_k2"]).train
-    assert (k2.max_len, k2.lr) == (8192, 2e-5)
+    assert (k2.max_len, k2.lr, k2.warmup_steps, k2.grad_clip) == (8192, 2e-5, 500, 0.5)
+    assert warmup_steps_of(k2, 10_000) == 500 and not k2.loss.last_turn_only
     tiny = compose_config("train").train
     assert tiny.max_len < 8192 and tiny.ttt.steps == 4 and tiny.ttt.decay == 0.8
+    assert not tiny.loss.last_turn_only
+
+
+def test_kimi_k3_recipe() -> None:
+    """Rows up to 46,000 tokens, lr 2e-5, warmup 1% of the steps then cosine to 0, clip 1.0,
+    loss on the last turn only."""
+    from train.engine import deepspeed_config, lr_factor, warmup_steps_of
+
+    cfg = compose_config("train", ["verifier=kimi_k3", "draft=kimi_k3", "verifier.path=/x"])
+    t = cfg.train
+    assert (t.max_len, t.lr, t.min_lr_ratio, t.grad_clip) == (46000, 2e-5, 0.0, 1.0)
+    assert t.warmup_steps is None and t.warmup_ratio == 0.01 and t.loss.last_turn_only
+    assert t.ttt.steps == 4
+    assert (warmup_steps_of(t, 10_000), warmup_steps_of(t, 150)) == (100, 2)   # rounded up
+    assert deepspeed_config(cfg)["gradient_clipping"] == 1.0
+    factor = lr_factor(warmup_steps_of(t, 1000), 1000, t.min_lr_ratio)
+    assert factor(9) == 1.0 and factor(999) == 0.0
+
+
+def test_warmup_is_steps_or_ratio_not_both() -> None:
+    from omegaconf import OmegaConf
+
+    from train.engine import warmup_steps_of
+
+    for both in ({"warmup_steps": 5, "warmup_ratio": 0.1}, {"warmup_steps": None, "warmup_ratio": None}):
+        with pytest.raises(ValueError, match="exactly one"):
+            warmup_steps_of(OmegaConf.create(both), 100)
+    with pytest.raises(ValueError, match="fraction"):
+        warmup_steps_of(OmegaConf.create({"warmup_steps": None, "warmup_ratio": 1.5}), 100)

@@ -16,12 +16,58 @@ def test_entry_configs_compose(entry: str) -> None:
 
 @pytest.mark.parametrize("verifier,layers", [("kimi_tiny", 8), ("kimi_k2", 61), ("kimi_k3", 93)])
 def test_verifiers_use_vllm_default_aux_layers(verifier: str, layers: int) -> None:
-    v = compose_config("dump", [f"verifier={verifier}"]).verifier
+    cfg = compose_config("train", [f"verifier={verifier}", f"draft={verifier}"])
+    v = cfg.verifier
     assert v.architecture.num_hidden_layers == layers
     assert v.aux_convention == "vllm"
     assert list(v.aux_layer_ids) == [2, layers // 2, layers - 3]
-    # The CPU MLA backend and every Kimi model share these two dimensions.
-    assert v.architecture.kv_lora_rank == 512 and v.architecture.qk_rope_head_dim == 64
+    # vLLM's CPU MLA backend and every published Kimi MLA draft share these two dimensions.
+    assert cfg.draft.kv_lora_rank == 512 and cfg.draft.qk_rope_head_dim == 64
+
+
+@pytest.mark.parametrize("verifier,capture", [("kimi_tiny", "residual_stream"),
+                                              ("kimi_k2", "residual_stream"),
+                                              ("kimi_k3", "prefix_only")])
+def test_aux_capture_of_each_verifier_reaches_its_draft(verifier: str, capture: str) -> None:
+    from dump.store import AUX_CAPTURES
+
+    cfg = compose_config("train", [f"verifier={verifier}", f"draft={verifier}"])
+    assert cfg.verifier.aux_capture == cfg.draft.aux_capture == capture
+    assert capture in AUX_CAPTURES
+
+
+# The published Kimi-K3 EAGLE-3 MLA draft (TorchSpec configs/draft_models/kimi_k3_eagle3_mla.json),
+# in DraftConfig's terms: its SGLang aux ids [1, 45, 89] are vLLM's [2, 46, 90].
+K3_DRAFT = {
+    "hidden_size": 7168, "intermediate_size": 18432, "num_attention_heads": 64, "q_lora_rank": 1536,
+    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "rms_norm_eps": 1e-5, "max_position_embeddings": 1048576,
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0,
+                        "original_max_position_embeddings": 32768, "beta_fast": 32.0,
+                        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "rope_interleave": True, "vocab_size": 163840, "draft_vocab_size": 163840,
+    "target_hidden_size": 7168, "target_num_hidden_layers": 93, "aux_layer_ids": (2, 46, 90),
+}
+# Kimi-K2's draft copies the verifier's MLA and dense MLP shapes and its RoPE (conf/verifier/kimi_k2).
+K2_DRAFT = K3_DRAFT | {
+    "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 64.0,
+                        "original_max_position_embeddings": 4096, "beta_fast": 1.0,
+                        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "target_num_hidden_layers": 61, "aux_layer_ids": (2, 30, 58),
+}
+
+
+@pytest.mark.parametrize("name,expected", [("kimi_k3", K3_DRAFT), ("kimi_k2", K2_DRAFT)])
+def test_real_kimi_train_configs_resolve_to_the_published_draft(name: str, expected: dict) -> None:
+    from dataclasses import asdict
+
+    from model.draft import DraftConfig
+
+    cfg = compose_config("train", [f"verifier={name}", f"draft={name}", "verifier.path=/x"])
+    OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    draft = asdict(DraftConfig.from_conf(cfg.draft))
+    assert {k: draft[k] for k in expected} == expected
 
 
 def test_real_kimi_verifiers_need_a_checkpoint_path() -> None:
@@ -30,6 +76,12 @@ def test_real_kimi_verifiers_need_a_checkpoint_path() -> None:
     cfg = compose_config("dump", ["verifier=kimi_k2", "verifier.path=/ckpt/Kimi-K2"])
     assert cfg.verifier.path == "/ckpt/Kimi-K2"
     assert cfg.verifier.architecture.vocab_size == 163840
+
+
+def test_kimi_k3_checkpoint_path_stays_mandatory() -> None:
+    cfg = compose_config("train", ["verifier=kimi_k3", "draft=kimi_k3"])
+    assert OmegaConf.is_missing(cfg.verifier, "path")
+    assert cfg.verifier.architecture.hidden_size == 7168  # the rest needs no checkpoint
 
 
 @pytest.mark.parametrize("data,category", [("sharegpt", "dialogue"), ("humaneval", "code"),

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
-from omegaconf.errors import InterpolationToMissingValueError, MissingMandatoryValue
 from safetensors.torch import save_file
 
 import model.verifier_weights as vw
@@ -53,17 +52,18 @@ def test_sglang_aux_ids_in_a_verifier_yaml_become_vllm_ids(kimi_tiny_cfg) -> Non
     assert DraftConfig.from_conf(compose_draft_conf("kimi_tiny", verifier)).aux_layer_ids == (2, 4, 5)
 
 
-def test_kimi_k3_draft_names_the_shapes_it_still_needs() -> None:
-    """K3's shapes come from its checkpoint: until given, building its draft says which."""
-    with pytest.raises((MissingMandatoryValue, InterpolationToMissingValueError),
-                       match="hidden_size"):
-        DraftConfig.from_conf(compose_draft_conf("kimi_k3"))
-    v = compose_config("dump", ["verifier=kimi_k3"]).verifier
-    assert v.architecture.num_hidden_layers == 93 and list(v.aux_layer_ids) == [2, 46, 90]
+def test_kimi_k3_draft_builds_on_meta_device() -> None:
+    """conf/draft/kimi_k3 composes with no missing value; the draft is the published K3 shape."""
+    cfg = DraftConfig.from_conf(compose_draft_conf("kimi_k3"))
+    draft = build_draft(cfg, device="meta")
+    shapes = {n: tuple(p.shape) for n, p in draft.named_parameters()}
+    assert shapes["fc.weight"] == (7168, 3 * 7168)
+    assert shapes["midlayer.self_attn.q_b_proj.weight"] == (64 * 192, 1536)
+    assert cfg.aux_layer_ids == (2, 46, 90) and cfg.target_num_hidden_layers == 93
 
 
 def test_kimi_k2_draft_shapes_on_meta_device(capsys) -> None:
-    """Facts file section 4 shapes; the parameter count and bf16 export size are reported."""
+    """The published Kimi-K2 MLA draft shapes; the parameter count and bf16 export size are reported."""
     cfg = DraftConfig.from_conf(compose_draft_conf("kimi_k2"))
     draft = build_draft(cfg, device="meta")
     shapes = {n: tuple(p.shape) for n, p in draft.named_parameters()}

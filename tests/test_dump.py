@@ -16,10 +16,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer, DeepseekV3ForCausalLM
 
+from dump.capture import CapturedSample
 from dump.conversations import Conversation, load_conversations
 from dump.store import StoreReader
 from model.paths import REPO_ROOT
 from model.config import compose_config
+from tests.test_capture import assert_matches_transformers
 
 pytestmark = pytest.mark.vllm
 
@@ -72,21 +74,8 @@ def test_stored_states_equal_a_transformers_forward(fp32_store: Path, kimi_tiny_
     assert reader.aux_layer_ids == aux_ids
     for ref in reader.samples():
         sample = reader.read_sample(ref, dtype=torch.float32)
-        with torch.no_grad():
-            out = model(torch.as_tensor(sample.input_ids, dtype=torch.long)[None],
-                        output_hidden_states=True)
-        aux = torch.stack([out.hidden_states[k][0] for k in aux_ids], dim=1)  # [T, 3, H]
-        final = out.hidden_states[-1][0]  # transformers' last entry is post-norm
-        # The post-norm final state (|x| ~ 5) meets 1e-4 absolute. The residual stream of the
-        # trained model reaches |x| ~ 100, where one fp32 ulp is 7.6e-6 and vLLM's absorbed MLA
-        # and fused MoE round differently from transformers' (measured: up to 3e-4, 40 ulps):
-        # there the bound is 1e-4 relative to each layer's largest value.
-        assert (sample.final - final).abs().max() <= 1e-4, ref
-        scale = aux.abs().amax(dim=(0, 2)).clamp(min=1.0)  # [n_aux]
-        assert ((sample.aux - aux).abs().amax(dim=(0, 2)) <= 1e-4 * scale).all(), ref
-        # And the final state is what the lm_head consumes: the verifier's own logits.
-        logits = model.lm_head(sample.final)
-        assert torch.allclose(logits, out.logits[0], atol=1e-4)
+        states = CapturedSample(sample.aux, sample.final)
+        assert_matches_transformers(states, sample.input_ids.tolist(), model, aux_ids, ref.sample_id)
 
 
 def test_loss_mask_covers_exactly_the_assistant_tokens(fp32_store: Path, conversations_file: Path,

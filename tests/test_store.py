@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 from dump.store import (
     AUX,
     SHARDS_DIR,
+    STORE_META,
     ShardCorruptError,
     StoreMismatchError,
     StoreReader,
@@ -66,9 +67,10 @@ def make_sample(sample_id: str) -> dict[str, torch.Tensor]:
 
 def open_writer(path: Path, storage_cfg: dict[str, Any] | None = None, rank: int = 0,
                 world_size: int = 1, identity: dict[str, Any] = IDENTITY,
-                aux_ids: list[int] = AUX_IDS) -> StoreWriter:
+                aux_ids: list[int] = AUX_IDS, aux_capture: str = "residual_stream") -> StoreWriter:
     return StoreWriter(path, identity, aux_ids, storage_cfg or storage(), {"data": "test"},
-                       aux_convention="vllm", rank=rank, world_size=world_size)
+                       aux_convention="vllm", aux_capture=aux_capture, rank=rank,
+                       world_size=world_size)
 
 
 def write_store(path: Path, ids: list[str], storage_cfg: dict[str, Any] | None = None,
@@ -209,6 +211,45 @@ def test_resume_with_other_settings_is_refused(tmp_path: Path) -> None:
     with pytest.raises(StoreMismatchError, match="storage.mode: store has 'bf16', this run has 'fp8'"):
         open_writer(tmp_path, storage("fp8"))
     open_writer(tmp_path, identity={**IDENTITY, "name": "renamed"})  # same hashes: fine
+
+
+def test_aux_capture_is_recorded_shown_and_must_match_on_resume(tmp_path: Path) -> None:
+    with open_writer(tmp_path, aux_capture="prefix_only") as writer:
+        writer.add(IDS[0], **make_sample(IDS[0]))
+    assert json.loads((tmp_path / STORE_META).read_text())["aux_capture"] == "prefix_only"
+    assert StoreReader(tmp_path).aux_capture == "prefix_only"
+    report = inspect_store(tmp_path)
+    assert report["aux_capture"] == "prefix_only" and report["problems"] == []
+    assert "prefix_only capture" in format_inspect(report)
+    with pytest.raises(StoreMismatchError,
+                       match="aux_capture: store has 'prefix_only', this run has 'attn_res_stream'"):
+        open_writer(tmp_path, aux_capture="attn_res_stream")
+    with pytest.raises(ValueError, match="aux capture 'post_norm'"):
+        open_writer(tmp_path / "other", aux_capture="post_norm")
+
+
+def _drop_aux_capture(meta_file: Path, key_path: tuple[str, ...] = ()) -> None:
+    """Remove aux_capture from a JSON file (at key_path inside it), as code before the key wrote."""
+    data = json.loads(meta_file.read_text())
+    node = data
+    for key in key_path:
+        node = node[key]
+    del node["aux_capture"]
+    meta_file.write_text(json.dumps(data))
+
+
+def test_store_without_aux_capture_reads_as_residual_stream(tmp_path: Path) -> None:
+    write_store(tmp_path, IDS[:6])
+    _drop_aux_capture(tmp_path / STORE_META)
+    for shard in (tmp_path / SHARDS_DIR).iterdir():
+        _drop_aux_capture(shard / "zarr.json", ("attributes",))
+    reader = StoreReader(tmp_path)
+    assert reader.aux_capture == "residual_stream" and reader.verify() == []
+    assert "residual_stream capture" in format_inspect(inspect_store(tmp_path))
+    with pytest.raises(StoreMismatchError, match="aux_capture: store has 'residual_stream'"):
+        open_writer(tmp_path, aux_capture="prefix_only")
+    write_store(tmp_path, IDS[:12])  # this code resumes it with the mode it implies
+    assert set(read_all(tmp_path)) == set(IDS[:12]) and StoreReader(tmp_path).verify() == []
 
 
 def test_two_ranks_write_disjoint_shards_of_one_store(tmp_path: Path) -> None:

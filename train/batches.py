@@ -12,6 +12,10 @@ A row concatenates whole samples (each cut to `max_len` tokens) up to `max_len` 
 A micro-batch stacks rows, padded at the end to its longest: padding has segment id -1 (no
 sample uses it, so attention never mixes it with a sample) and loss_mask False.
 
+With `last_turn_only` (train.loss.last_turn_only) a sample's loss_mask keeps only its last
+contiguous run of assistant tokens, the last assistant turn, found on the whole stored sample
+before it is cut to max_len (a cut that drops the last turn leaves the sample without loss).
+
 Order. The training rows form an endless stream: epoch e shuffles the training samples with
 (seed, e) and packs them next-fit, in that order, into rows. Optimizer step s takes the rows
 s*R .. (s+1)*R - 1 of the stream, R = micro_batch * grad_accum * world_size, and rank r at
@@ -37,7 +41,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from dump.conversations import is_held_out, sharegpt_split_key
-from dump.store import SampleRef, StoreMismatchError, StoreReader, verifier_identity
+from dump.store import LEGACY_AUX_CAPTURE, SampleRef, StoreMismatchError, StoreReader, verifier_identity
 from model.checkpoint import to_vllm_aux_ids
 from model.draft import DraftConfig
 
@@ -46,10 +50,12 @@ PAD_SEGMENT = -1
 
 
 # ---- the store against the draft ---------------------------------------------------------
-def check_store(reader: StoreReader, draft: DraftConfig, verifier_dir: Path) -> None:
+def check_store(reader: StoreReader, draft: DraftConfig, verifier_dir: Path,
+                aux_capture: str = LEGACY_AUX_CAPTURE) -> None:
     """Refuse a store the draft cannot learn from, before any compute: another verifier (config or
-    tokenizer hash, vs the verifier folder the draft config points to), hidden size, vocabulary
-    or aux layers (compared in the vLLM convention)."""
+    tokenizer hash, vs the verifier folder the draft config points to), hidden size, vocabulary,
+    aux layers (compared in the vLLM convention) or what the aux states are (`aux_capture`: the
+    draft conf's, which serving will feed it; DraftConfig does not carry it)."""
     store = reader.identity
     here = verifier_identity(verifier_dir, str(store.get("name")))
     problems = [f"verifier {key}: store has {store.get(key)!r}, {verifier_dir} has {here[key]!r}"
@@ -69,6 +75,9 @@ def check_store(reader: StoreReader, draft: DraftConfig, verifier_dir: Path) -> 
     if store_aux != list(draft.aux_layer_ids):
         problems.append(f"aux layer ids (vLLM convention): store has {store_aux}, the draft "
                         f"expects {list(draft.aux_layer_ids)}")
+    if reader.aux_capture != aux_capture:
+        problems.append(f"aux capture: store has {reader.aux_capture} states, the draft is "
+                        f"trained for {aux_capture} (the mode it is served with)")
     if problems:
         raise StoreMismatchError(f"store {reader.path} does not match the draft config (verifier "
                                  f"{verifier_dir}): " + "; ".join(problems)
@@ -156,8 +165,9 @@ class PackedRows(Dataset):
     """Rows of samples read from the store; each DataLoader worker opens its own reader."""
 
     def __init__(self, store: Path, refs: Sequence[SampleRef], rows: Sequence[Sequence[int]],
-                 max_len: int) -> None:
+                 max_len: int, last_turn_only: bool = False) -> None:
         self.store, self.refs, self.rows, self.max_len = Path(store), list(refs), list(rows), max_len
+        self.last_turn_only = last_turn_only
         self._reader: StoreReader | None = None
 
     def __len__(self) -> int:
@@ -167,18 +177,36 @@ class PackedRows(Dataset):
         if self._reader is None:  # opened lazily: in the worker process, not pickled into it
             self._reader = StoreReader(self.store)
         samples = [self._reader.read_sample(self.refs[j]) for j in self.rows[i]]
-        return pack_row([(s.input_ids, s.loss_mask, s.aux, s.final) for s in samples], self.max_len)
+        return pack_row([(s.input_ids, s.loss_mask, s.aux, s.final) for s in samples], self.max_len,
+                        self.last_turn_only)
 
     def __getstate__(self) -> dict[str, Any]:
         return self.__dict__ | {"_reader": None}
 
 
-def pack_row(samples: Sequence[tuple[Tensor, Tensor, Tensor, Tensor]], max_len: int) -> Batch:
+def last_turn_mask(loss_mask: Tensor) -> Tensor:
+    """loss_mask [T] with only its last contiguous run of True kept (the last assistant turn)."""
+    mask = loss_mask.bool()
+    kept = torch.zeros_like(mask)
+    marked = mask.nonzero()
+    if len(marked) == 0:
+        return kept
+    end = int(marked[-1]) + 1
+    gaps = (~mask[:end]).nonzero()
+    start = int(gaps[-1]) + 1 if len(gaps) else 0
+    kept[start:end] = True
+    return kept
+
+
+def pack_row(samples: Sequence[tuple[Tensor, Tensor, Tensor, Tensor]], max_len: int,
+             last_turn_only: bool = False) -> Batch:
     """(input_ids [T], loss_mask [T], aux [T, n_aux, H], final [T, H]) per sample -> one row."""
     parts: dict[str, list[Tensor]] = {k: [] for k in ("input_ids", "loss_mask", "aux", "final",
                                                       "position_ids", "segment_ids")}
     for seg, (ids, mask, aux, final) in enumerate(samples):
         T = min(len(ids), max_len)
+        if last_turn_only:  # on the whole sample: the cut must not promote an earlier turn
+            mask = last_turn_mask(mask)
         parts["input_ids"].append(ids[:T].long())
         parts["loss_mask"].append(mask[:T].bool())
         parts["aux"].append(aux[:T].flatten(1))                       # [T, n_aux*H]

@@ -104,6 +104,20 @@ def deepspeed_config(cfg: DictConfig) -> dict[str, Any]:
     }
 
 
+def warmup_steps_of(train: DictConfig, total_steps: int) -> int:
+    """Warmup length in optimizer steps: train.warmup_steps, or train.warmup_ratio of the run's
+    total_steps rounded up (recipes give one of the two, the other null)."""
+    steps, ratio = train.get("warmup_steps"), train.get("warmup_ratio")
+    if (steps is None) == (ratio is None):
+        raise ValueError(f"set exactly one of train.warmup_steps ({steps}) and train.warmup_ratio "
+                         f"({ratio}); the other null")
+    if steps is not None:
+        return int(steps)
+    if not 0.0 <= float(ratio) <= 1.0:
+        raise ValueError(f"train.warmup_ratio {ratio} is not a fraction in [0, 1]")
+    return math.ceil(float(ratio) * total_steps)
+
+
 def lr_factor(warmup_steps: int, total_steps: int, min_ratio: float) -> Callable[[int], float]:
     """Multiplier of the peak lr at optimizer step s (0-based): linear warmup from 1/warmup to 1
     over warmup_steps, then cosine down to min_ratio at the last step."""
@@ -126,7 +140,7 @@ def initialize(objective: Eagle3Objective, cfg: DictConfig, total_steps: int):
         deepspeed.zero.register_external_parameter(objective, objective.draft.lm_head.weight)
     if cfg.train.precision == "bf16":
         objective.cast_buffers(torch.bfloat16)
-    factor = lr_factor(int(cfg.train.warmup_steps), total_steps, float(cfg.train.min_lr_ratio))
+    factor = lr_factor(warmup_steps_of(cfg.train, total_steps), total_steps, float(cfg.train.min_lr_ratio))
     engine, *_ = deepspeed.initialize(
         model=objective,
         model_parameters=[p for p in objective.parameters() if p.requires_grad],

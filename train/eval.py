@@ -126,15 +126,16 @@ def measure_real(cfg: DictConfig, categories: list[Category], verifier: Path, dr
 def dump_texts(cfg: DictConfig, categories: list[Category], runs: dict[str, dict[str, Any]],
                verifier: Path, run_dir: Path) -> dict[str, dict[str, Path]]:
     """Stage 1's capture over prompt + each answer vLLM produced: <run>/stores/<category>/<mode>."""
-    from dump.capture import HiddenStateCapture, capture_engine_overrides
-    from dump.engine import make_llm, shutdown_llm
+    from dump.capture import HiddenStateCapture, capture_spec, start_capture_engine
+    from dump.engine import shutdown_llm
     from dump.pipeline import batched, open_writer, write_batch
     from dump.template import TokenizedSample
 
     stores: dict[str, dict[str, Path]] = {}
-    llm = make_llm(verifier, cfg.engine, **capture_engine_overrides(int(cfg.max_len)))
+    spec = capture_spec(cfg.verifier)
+    llm = start_capture_engine(verifier, cfg.engine, spec, int(cfg.max_len))
     try:
-        capture = HiddenStateCapture(llm, list(cfg.verifier.aux_layer_ids))
+        capture = HiddenStateCapture(llm, spec)
         for cat in categories:
             for mode, run in runs[cat.name].items():
                 path = run_dir / "stores" / cat.name / mode
