@@ -1,4 +1,5 @@
-"""THE draft checkpoint contract: vLLM's Eagle3DeepseekV2ForCausalLM folder, both ways.
+"""THE draft checkpoint contract: one Eagle3DeepseekV2ForCausalLM folder for vLLM, SGLang and
+TokenSpeed, both ways (export, and import of drafts other tools published).
 
 A draft folder holds config.json + model.safetensors, read by
 vllm/model_executor/models/deepseek_eagle3.py (vLLM 0.32) like this:
@@ -10,20 +11,34 @@ vllm/model_executor/models/deepseek_eagle3.py (vLLM 0.32) like this:
   SGLang) read `rope_scaling` + `rope_theta`. Both are written with the same values. vLLM
   builds "deepseek_yarn" from them (always interleaved for MLA) and, since no
   `attention_factor` is written, applies the mscale^2 softmax correction like the verifier.
-- aux layers: `eagle_aux_hidden_state_layer_ids` top level (the worker reads it first) and in
-  `eagle_config` (the draft model sizes fc from there, else assumes 3), vLLM convention.
 - draft_vocab_size always; vocab_size = target vocabulary; target_hidden_size.
 - Weights without a "model." prefix: fc, midlayer.*, norm, lm_head (vLLM's loader prefixes and
-  renames them); d2t only with a pruned vocabulary (vLLM scatters logits to i + d2t[i]); t2d
-  with it (vLLM skips t2d, it documents the vocabulary for other readers); no embed_tokens
-  (vLLM then shares the target's embedding).
+  renames them; "layers.0.*", TorchSpec's name for midlayer, is read too); d2t only with a
+  pruned vocabulary (vLLM scatters logits to i + d2t[i]); t2d with it (vLLM skips t2d, it
+  documents the vocabulary for other readers); no embed_tokens (the engines share the target's).
 
-Aux-layer conventions (facts section 3) are converted here and only here.
+Aux layers. The draft is trained on the hidden states entering layers `aux_layer_ids` (vLLM's
+convention). Each engine finds its ids in config.json by its own rule, and the same key means
+different layers to different engines and targets; `vllm_capture`, `sglang_capture` and
+`tokenspeed_capture` below state each rule as code (with the engine source it comes from):
+
+- top-level `eagle_aux_hidden_state_layer_ids`: vLLM ids. vLLM reads it first; the others only
+  look at it when there is no `eagle_config` (TokenSpeed) or never (SGLang).
+- `eagle_config.eagle_aux_hidden_state_layer_ids`: read by SGLang and TokenSpeed, whose target
+  models convert it differently: on DeepSeek-V3 targets (Kimi-K2, K2.5, kimi-tiny) both add 1
+  (SGLang only when the first id is 1), so it holds SGLang ids (layer outputs); TokenSpeed's
+  Kimi-K3 takes it unchanged (vLLM ids) and SGLang has no EAGLE-3 capture for K3. The exporter
+  picks the value with the rules, for the target named by `target_model_type`.
+- `target_model_type` (the verifier's model_type) records which target that value was made
+  for; no engine reads it.
+
+Aux-layer conventions are converted here and only here.
 """
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +49,20 @@ from torch import Tensor
 from model.draft import DraftConfig, Eagle3Draft, layer_shapes
 from model.vocab import t2d_from_d2t
 
+logger = logging.getLogger(__name__)
+
 ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
 MODEL_TYPE = "deepseek_v2"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+AUX_KEY = "eagle_aux_hidden_state_layer_ids"
+EAGLE_CONFIG = "eagle_config"
+TARGET_KEY = "target_model_type"
+
+# Target families whose engines read the aux ids differently (the verifier's model_type).
+DEEPSEEK_V3 = "deepseek_v3"     # Kimi-K2, the Kimi-K2.5 text tower, kimi-tiny
+KIMI_K3 = "kimi_k3"
+TARGETS = (DEEPSEEK_V3, KIMI_K3)
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -45,7 +70,7 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 # ---- aux-layer id conventions -----------------------------------------------------------
 # vLLM / speculators: id k = hidden state entering layer k (HF output_hidden_states[k]),
 #   0 = embedding output, N = last layer's output (pre-norm residual).
-# SGLang / SpecForge: id k = output of layer k, 0..N-1. Same layer: vllm = sglang + 1.
+# SGLang / SpecForge / TorchSpec: id k = output of layer k, 0..N-1. Same layer: vllm = sglang + 1.
 
 def sglang_to_vllm_aux_ids(ids: Sequence[int], num_layers: int) -> list[int]:
     """SGLang ids (layer outputs, 0..N-1) -> vLLM ids (layer inputs, 1..N)."""
@@ -72,15 +97,178 @@ def to_vllm_aux_ids(ids: Sequence[int], convention: str, num_layers: int) -> lis
     raise ValueError(f"unknown aux-id convention {convention!r} (vllm | sglang)")
 
 
+# ---- each engine's reading rule ---------------------------------------------------------
+# rule(config.json as a dict, target model_type, target layer count) -> the vLLM ids of the
+# layers whose entering hidden state the engine captures, in the order fc receives them
+# (ascending: every engine collects them while it walks the layers). None: the engine has no
+# EAGLE-3 capture for that target at all; (): it refuses these ids when it starts.
+Capture = tuple[int, ...] | None
+
+
+def _layer_order(ids: Iterable[int], lowest: int, highest: int) -> tuple[int, ...]:
+    """Ids the engine's layer walk meets (others are silently never captured), ascending."""
+    return tuple(sorted({i for i in ids if lowest <= i <= highest}))
+
+
+def _default_ids(num_layers: int) -> tuple[int, ...]:
+    # The three engines' default for both targets, when a folder names no ids.
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def _eagle_config_ids(config: dict[str, Any]) -> list[int] | None:
+    eagle = config.get(EAGLE_CONFIG)
+    return eagle.get(AUX_KEY) if isinstance(eagle, dict) else None
+
+
+def _check_target(target: str) -> None:
+    if target not in TARGETS:
+        raise ValueError(f"unknown target model_type {target!r}: the engines' rules are known for {TARGETS}")
+
+
+def vllm_capture(config: dict[str, Any], target: str, num_layers: int) -> Capture:
+    """vLLM 0.32.0, any target: top-level ids, else eagle_config's, taken as entering-layer ids.
+
+    vllm/v1/worker/gpu_model_runner.py, GPUModelRunner._get_eagle3_aux_layers_from_config
+    (lines 5251-5285; top level 5268, eagle_config only when that is empty, 5279-5280) and
+    _setup_eagle3_aux_hidden_state_outputs (5241-5249, the model's default when neither);
+    vllm/model_executor/models/deepseek_v2.py, DeepseekV2ForCausalLM.set_aux_hidden_state_layers
+    (1955-1956) and DeepseekV2Model.forward (1561-1562: hidden_states + residual before layer
+    idx; 1586: the last layer's output for id N).
+    """
+    _check_target(target)
+    ids = config.get(AUX_KEY) or _eagle_config_ids(config)
+    return _layer_order(ids, 0, num_layers) if ids else _default_ids(num_layers)
+
+
+def sglang_capture(config: dict[str, Any], target: str, num_layers: int) -> Capture:
+    """SGLang 0.5.23: eagle_config's ids only; DeepSeek-V3 targets add 1 iff the first id is 1.
+
+    python/sglang/srt/model_executor/model_runner_components/spec_aux_hidden_state.py,
+    _resolve_eagle_aux_hidden_state (lines 185-196: eagle_config["eagle_aux_hidden_state_layer_ids"],
+    None when absent; the top-level key is never read), handed by model_executor/model_runner.py
+    (1109-1112) to model_runner_components/attention_backend_setup.py,
+    configure_aux_hidden_state_capture (40-61), which calls set_eagle3_layers_to_capture;
+    python/sglang/srt/models/deepseek_v2.py, DeepseekV2ForCausalLM
+    .set_eagle3_layers_to_capture (3458-3473: None -> [2, N//2, N-3]; ids[0] == 1 -> id + 1;
+    else as they are), captured entering layer i (3193-3194, layers 0..N-1). Kimi-K3
+    (python/sglang/srt/models/kimi_k3.py, KimiK3ForConditionalGeneration) has no
+    set_eagle3_layers_to_capture, so configure_aux_hidden_state_capture refuses EAGLE-3 on it (55-60).
+    """
+    _check_target(target)
+    if target == KIMI_K3:
+        return None
+    eagle = config.get(EAGLE_CONFIG)
+    if isinstance(eagle, dict) and eagle.get("use_aux_hidden_state", True) is False:
+        return ()
+    ids = _eagle_config_ids(config)
+    if ids is None:
+        return _default_ids(num_layers)
+    shifted = [i + 1 for i in ids] if ids and ids[0] == 1 else list(ids)
+    return _layer_order(shifted, 0, num_layers - 1)
+
+
+def _tokenspeed_config_ids(config: dict[str, Any]) -> list[int] | None:
+    # The draft config, then its text_config; in each, eagle_config's ids when it has an
+    # eagle_config (the top-level key is then ignored), else the top-level ids.
+    for candidate in (config, config.get("text_config")):
+        if not isinstance(candidate, dict):
+            continue
+        eagle = candidate.get(EAGLE_CONFIG)
+        if eagle is None:
+            ids = candidate.get(AUX_KEY)
+        else:
+            ids = eagle.get(AUX_KEY) if isinstance(eagle, dict) else None
+        if ids:
+            return list(ids)
+    return None
+
+
+def tokenspeed_capture(config: dict[str, Any], target: str, num_layers: int) -> Capture:
+    """TokenSpeed 0.1.0 (lightseekorg/tokenspeed f4d8ec6e): eagle_config's ids before top-level;
+    DeepSeek-V3 targets add 1, Kimi-K3 takes them as they are (one-based completed layers).
+
+    python/tokenspeed/runtime/execution/factory.py, _eagle_aux_layer_ids (lines 44-75) and
+    _wire_draft_to_target_model (95-102: --eagle3-layers-to-capture, else the config's ids);
+    python/tokenspeed/runtime/models/deepseek_v3.py, DeepseekV3ForCausalLM.set_eagle3_layers_to_capture
+    (1688-1695: None -> {2, N//2, N-3}; else {id + 1}), captured entering layer i (1592-1593);
+    python/tokenspeed/runtime/models/kimi_k3.py, KimiLinearForCausalLM.set_eagle3_layers_to_capture (2580-2599:
+    unchanged; refused unless unique, ascending and in 1..N), captured after layer id - 1 (2555).
+    """
+    _check_target(target)
+    ids = _tokenspeed_config_ids(config)
+    if target == KIMI_K3:
+        selected = list(_default_ids(num_layers)) if ids is None else ids
+        valid = selected == sorted(set(selected)) and all(1 <= i <= num_layers for i in selected)
+        return tuple(selected) if valid else ()
+    if ids is None:
+        return _default_ids(num_layers)
+    return _layer_order((i + 1 for i in ids), 0, num_layers - 1)
+
+
+def tokenspeed_flag_ids(aux: Sequence[int], target: str, num_layers: int) -> list[int]:
+    """The value of TokenSpeed's --eagle3-layers-to-capture (it overrides the config's ids, under
+    the same target rule) that captures the vLLM ids `aux`."""
+    _check_target(target)
+    return list(aux) if target == KIMI_K3 else vllm_to_sglang_aux_ids(aux, num_layers)
+
+
+# The engine versions whose sources the rules above restate.
+ENGINE_VERSIONS = {"vllm": "vLLM 0.32.0", "sglang": "SGLang 0.5.23", "tokenspeed": "TokenSpeed 0.1.0"}
+
+ENGINE_RULES: dict[str, Callable[[dict[str, Any], str, int], Capture]] = {
+    "vllm": vllm_capture,
+    "sglang": sglang_capture,
+    "tokenspeed": tokenspeed_capture,
+}
+
+
+def engine_captures(config: dict[str, Any], num_layers: int | None = None) -> dict[str, Capture]:
+    """What each engine captures for this config.json, on the target it names (DeepSeek-V3 when
+    it names none). num_layers: for configs without target_num_hidden_layers."""
+    target = config.get(TARGET_KEY) or DEEPSEEK_V3
+    layers = int(config.get("target_num_hidden_layers") or num_layers or 0)
+    if layers <= 0:
+        raise ValueError("the target's layer count is unknown (no target_num_hidden_layers)")
+    return {engine: rule(config, target, layers) for engine, rule in ENGINE_RULES.items()}
+
+
+def misreading_engines(config: dict[str, Any], trained: Sequence[int],
+                       num_layers: int | None = None) -> dict[str, tuple[int, ...]]:
+    """Engines that serve the config's target but would not feed the draft its trained layers."""
+    return {engine: got for engine, got in engine_captures(config, num_layers).items()
+            if got is not None and got != tuple(trained)}
+
+
+def _reconciled(config: dict[str, Any], top: Sequence[int], num_layers: int) -> bool:
+    """Does some engine, on some target, read eagle_config's ids as the top-level (vLLM) ids?"""
+    nested_only = {k: v for k, v in config.items() if k != AUX_KEY}
+    return any(rule(nested_only, target, num_layers) == tuple(sorted(top))
+               for rule in ENGINE_RULES.values() for target in TARGETS)
+
+
+def _eagle_config_value(config: dict[str, Any], aux: list[int], num_layers: int) -> list[int]:
+    """eagle_config's ids for `config`'s target: SGLang ids (what SGLang and TokenSpeed read on
+    DeepSeek-V3 targets) or, when those are misread, vLLM ids (TokenSpeed's Kimi-K3); SGLang ids
+    again when no value satisfies every engine (export_draft then warns)."""
+    candidates = ([vllm_to_sglang_aux_ids(aux, num_layers)] if all(i >= 1 for i in aux) else []) + [aux]
+    for ids in candidates:
+        trial = {**config, EAGLE_CONFIG: {**config[EAGLE_CONFIG], AUX_KEY: ids}}
+        if not misreading_engines(trial, aux):
+            return ids
+    return candidates[0]
+
+
 # ---- config.json ------------------------------------------------------------------------
 def draft_config_json(cfg: DraftConfig, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
-    """The config.json vLLM's Eagle3DeepseekV2ForCausalLM reads."""
+    """The config.json the engines read, for the verifier named by cfg.target_model_type."""
+    target_model_type = cfg.target_model_type
+    _check_target(target_model_type)
     rope_parameters = dict(cfg.rope_parameters)
     rope_scaling = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
     if rope_scaling.get("rope_type", "default") != "default":
         rope_scaling["type"] = rope_scaling["rope_type"]   # transformers-4 readers look for "type"
     aux = list(cfg.aux_layer_ids)
-    return {
+    config = {
         "architectures": [ARCHITECTURE],
         "model_type": MODEL_TYPE,
         "num_hidden_layers": 1,
@@ -105,28 +293,64 @@ def draft_config_json(cfg: DraftConfig, dtype: torch.dtype = torch.bfloat16) -> 
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         "target_num_hidden_layers": cfg.target_num_hidden_layers,
-        "eagle_aux_hidden_state_layer_ids": aux,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True},
+        TARGET_KEY: target_model_type,   # which target eagle_config's ids were chosen for; no engine reads it
+        # vLLM 0.32.0 reads this first, as entering-layer ids (vllm/v1/worker/gpu_model_runner.py,
+        # _get_eagle3_aux_layers_from_config, line 5268; see vllm_capture).
+        AUX_KEY: aux,
+        # SGLang 0.5.23 reads only this (spec_aux_hidden_state.py, _resolve_eagle_aux_hidden_state,
+        # line 192; DeepseekV2ForCausalLM.set_eagle3_layers_to_capture adds 1 when the first id is 1),
+        # and TokenSpeed 0.1.0 prefers it to the top level (execution/factory.py,
+        # _eagle_aux_layer_ids, line 68; its DeepSeek-V3 adds 1, its Kimi-K3 does not). The value
+        # is chosen with those rules (sglang_capture, tokenspeed_capture). vLLM 0.32.0 sizes fc
+        # from its length (model_executor/models/deepseek_eagle3.py, lines 188-193).
+        EAGLE_CONFIG: {AUX_KEY: aux, "use_aux_hidden_state": True},
         "tie_word_embeddings": False,
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": cfg.eos_token_id,
         "torch_dtype": _DTYPE_NAMES[dtype],
     }
+    config[EAGLE_CONFIG][AUX_KEY] = _eagle_config_value(config, aux, cfg.target_num_hidden_layers)
+    return config
 
 
-def draft_config_from_json(d: dict[str, Any]) -> DraftConfig:
-    """Inverse of `draft_config_json` (also reads drafts that only carry the legacy rope keys)."""
+def aux_ids_from_json(d: dict[str, Any], source: str | Path = CONFIG_FILE) -> list[int]:
+    """The draft's aux ids (vLLM convention) from a config.json written by any tool.
+
+    Top-level ids are vLLM's and win. A folder with only eagle_config's (TorchSpec, SpecForge,
+    SGLang drafts) holds SGLang ids. With both, some engine's rule must read eagle_config's as
+    the same layers (equal, or one below), else the folder is refused; engines that would
+    misread the folder are logged.
+    """
+    top, nested = d.get(AUX_KEY), _eagle_config_ids(d)
+    if not top and not nested:
+        raise ValueError(f"{source} names no {AUX_KEY}")
+    if top:
+        aux, num_layers = list(top), int(d.get("target_num_hidden_layers") or max(top))
+        if nested and not _reconciled(d, aux, num_layers):
+            raise ValueError(f"{source}: {AUX_KEY} {aux} and {EAGLE_CONFIG}.{AUX_KEY} {list(nested)} name "
+                             "different layers under every engine's rule (eagle_config must hold the same ids, "
+                             "or each one below: SGLang's numbering)")
+    else:
+        num_layers = int(d.get("target_num_hidden_layers") or max(nested) + 1)
+        aux = sglang_to_vllm_aux_ids(nested, num_layers)
+    for engine, got in misreading_engines(d, aux, num_layers).items():
+        logger.warning("%s: %s would feed the draft the layers entering %s, not the %s it was trained on",
+                       source, engine, list(got), aux)
+    return aux
+
+
+def draft_config_from_json(d: dict[str, Any], source: str | Path = CONFIG_FILE) -> DraftConfig:
+    """Inverse of `draft_config_json`; also reads drafts other tools wrote (legacy rope keys,
+    aux ids only in eagle_config). `source` names the file in errors and warnings."""
     if d.get("architectures") != [ARCHITECTURE]:
-        raise ValueError(f"not an {ARCHITECTURE} checkpoint: {d.get('architectures')}")
+        raise ValueError(f"{source}: not an {ARCHITECTURE} checkpoint: {d.get('architectures')}")
     rope_parameters = d.get("rope_parameters")
     if not rope_parameters:  # legacy form: rope_scaling (with "type" or "rope_type") + rope_theta
         legacy = dict(d.get("rope_scaling") or {})
         rope_type = legacy.pop("rope_type", None) or legacy.get("type") or "default"
         legacy.pop("type", None)
         rope_parameters = {"rope_type": rope_type, **legacy, "rope_theta": d["rope_theta"]}
-    aux = d.get("eagle_aux_hidden_state_layer_ids") or (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if not aux:
-        raise ValueError("the checkpoint names no eagle_aux_hidden_state_layer_ids")
+    aux = aux_ids_from_json(d, source)
     return DraftConfig(
         **layer_shapes(d),
         rope_parameters=dict(rope_parameters),
@@ -136,6 +360,8 @@ def draft_config_from_json(d: dict[str, Any]) -> DraftConfig:
         target_hidden_size=d.get("target_hidden_size", d["hidden_size"]),
         # Unknown for third-party drafts: the smallest layer count the ids allow.
         target_num_hidden_layers=d.get("target_num_hidden_layers", max(aux)),
+        # Third-party drafts do not say; their eagle_config ids were read above by SGLang's rule.
+        target_model_type=d.get(TARGET_KEY, DEEPSEEK_V3),
         aux_layer_ids=tuple(aux),
         bos_token_id=d.get("bos_token_id"),
         eos_token_id=d.get("eos_token_id"),
@@ -163,12 +389,23 @@ def export_size_bytes(draft: Eagle3Draft, dtype: torch.dtype = torch.bfloat16) -
 
 
 def export_draft(draft: Eagle3Draft, out_dir: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write config.json + model.safetensors for vLLM; returns out_dir."""
+    """Write config.json + model.safetensors; returns out_dir. The draft's target_model_type
+    (DEEPSEEK_V3 | KIMI_K3) decides what SGLang and TokenSpeed read."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / CONFIG_FILE).write_text(json.dumps(draft_config_json(draft.config, dtype), indent=2) + "\n")
+    config = draft_config_json(draft.config, dtype)
+    for engine, got in misreading_engines(config, draft.config.aux_layer_ids).items():
+        logger.warning("%s: no config.json serves aux layers %s on every engine: %s would capture %s",
+                       out_dir, list(draft.config.aux_layer_ids), engine, list(got))
+    (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     save_file(export_tensors(draft, dtype), str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
     return out_dir
+
+
+def _read_tensors(path: Path) -> dict[str, Tensor]:
+    """model.safetensors under our names (TorchSpec's exports call midlayer "layers.0")."""
+    tensors = load_file(str(Path(path) / WEIGHTS_FILE))
+    return {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in tensors.items()}
 
 
 def load_draft(
@@ -183,8 +420,8 @@ def load_draft(
     (else it stays zeros). A stored `embed_tokens.weight` (other tools) is used when present.
     """
     path = Path(path)
-    cfg = draft_config_from_json(json.loads((path / CONFIG_FILE).read_text()))
-    tensors = load_file(str(path / WEIGHTS_FILE))
+    cfg = draft_config_from_json(json.loads((path / CONFIG_FILE).read_text()), path / CONFIG_FILE)
+    tensors = _read_tensors(path)
     embed = tensors.pop("embed_tokens.weight", None)
     if cfg.pruned and "t2d" not in tensors:
         tensors["t2d"] = t2d_from_d2t(tensors["d2t"], cfg.vocab_size)
@@ -197,3 +434,44 @@ def load_draft(
     elif verifier_dir is not None:
         draft.load_verifier_embedding(verifier_dir)
     return draft
+
+
+# ---- starting training from an exported draft --------------------------------------------
+# What fixes the tensors' shapes or what the draft reads: a folder must match to seed a run.
+_INIT_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
+                "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "target_hidden_size",
+                "vocab_size", "draft_vocab_size", "aux_layer_ids")
+# What changes the draft's computation but not its tensors: reported, training may move on from it.
+_INIT_SOFT_FIELDS = ("rms_norm_eps", "max_position_embeddings", "rope_parameters", "rope_interleave")
+
+
+def _init_mismatch(path: Path, field: str, found: Any, wanted: Any) -> ValueError:
+    return ValueError(f"{path} cannot start this draft: {field} is {found} there, {wanted} in the configured draft")
+
+
+def init_from_draft(draft: Eagle3Draft, path: Path) -> None:
+    """Copy the weights of the exported draft in `path` into `draft` (built from the run's
+    configuration, vocabulary installed); refuse a folder of another shape, vocabulary or aux
+    layers. The embedding stays the verifier's; d2t/t2d stay the draft's (they must be equal)."""
+    path = Path(path)
+    raw = json.loads((path / CONFIG_FILE).read_text())
+    found, wanted = draft_config_from_json(raw, path / CONFIG_FILE), draft.config
+    # Third-party folders may not state the target's layer count; their aux ids are checked anyway.
+    fields = _INIT_FIELDS + (("target_num_hidden_layers",) if "target_num_hidden_layers" in raw else ())
+    for field in fields:
+        if getattr(found, field) != getattr(wanted, field):
+            raise _init_mismatch(path, field, getattr(found, field), getattr(wanted, field))
+    for field in _INIT_SOFT_FIELDS:
+        if getattr(found, field) != getattr(wanted, field):
+            logger.warning("%s: %s is %s there, %s in the configured draft; training continues with the latter",
+                           path, field, getattr(found, field), getattr(wanted, field))
+    tensors = _read_tensors(path)
+    tensors.pop("embed_tokens.weight", None)
+    own = draft.state_dict()
+    if wanted.pruned and not torch.equal(tensors.get("d2t", torch.empty(0)).cpu(), own["d2t"].cpu()):
+        raise ValueError(f"{path} cannot start this draft: d2t (its pruned vocabulary) differs from the "
+                         "configured draft's, which the run counted from its store")
+    state = {k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}
+    state |= {k: own[k] for k in ("d2t", "t2d") if k in own}
+    with torch.no_grad():
+        draft.load_state_dict(state, strict=True)

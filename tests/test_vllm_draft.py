@@ -24,7 +24,7 @@ import pytest
 import torch
 from omegaconf import DictConfig
 
-from model.checkpoint import export_draft, load_draft
+from model.checkpoint import draft_config_json, engine_captures, export_draft, load_draft
 from model.draft import DraftConfig, Eagle3Draft, build_draft, compose_draft_conf
 from model.vocab import build_draft_vocab, count_tokens
 from train.speculative import speculative_engine
@@ -256,6 +256,17 @@ class TestFullVocabulary:
     def test_draft_logits_equal_vllm_single_and_chained_steps(self, full_engine) -> None:
         llm, record, ours = full_engine
         compare_first_round(llm, record, ours, COMPARE_PROMPTS[0])
+
+    def test_the_verifier_captures_the_layers_the_draft_was_trained_on(self, full_engine) -> None:
+        """vLLM's own target model, after it read our config.json; model/checkpoint.py's vLLM rule agrees."""
+        llm, _, ours = full_engine
+
+        def aux_layers(worker) -> tuple[int, ...]:
+            # DeepseekV2ForCausalLM.set_aux_hidden_state_layers stores them on the inner model.
+            return tuple(worker.model_runner.get_model().model.aux_hidden_state_layers)
+
+        assert llm.collective_rpc(aux_layers) == [ours.config.aux_layer_ids] == [(2, 4, 5)]
+        assert engine_captures(draft_config_json(ours.config))["vllm"] == ours.config.aux_layer_ids
 
 
 class TestPrunedVocabulary:

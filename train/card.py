@@ -10,7 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from model.checkpoint import CONFIG_FILE, vllm_to_sglang_aux_ids
+from model.checkpoint import (AUX_KEY, CONFIG_FILE, DEEPSEEK_V3, EAGLE_CONFIG, ENGINE_VERSIONS, TARGET_KEY,
+                              aux_ids_from_json, engine_captures, tokenspeed_flag_ids, vllm_to_sglang_aux_ids)
 
 CARD = "README.md"
 SUMMARY = "summary.json"   # a training run's summary, in the run folder that holds <run>/draft
@@ -22,7 +23,7 @@ def run_summary(draft_dir: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def _architecture(config: dict[str, Any]) -> list[str]:
+def _architecture(config: dict[str, Any], aux: list[int]) -> list[str]:
     q = "q_proj" if config.get("q_lora_rank") is None else f"q_lora_rank {config['q_lora_rank']}"
     vocab = config["draft_vocab_size"]
     pruned = vocab != config["vocab_size"]
@@ -32,7 +33,7 @@ def _architecture(config: dict[str, Any]) -> list[str]:
         f"{q}, kv_lora_rank {config['kv_lora_rank']}, qk_nope/rope/v head dims "
         f"{config['qk_nope_head_dim']}/{config['qk_rope_head_dim']}/{config['v_head_dim']}, dense SwiGLU MLP "
         f"{config['intermediate_size']}.",
-        f"- fc fuses {len(config['eagle_aux_hidden_state_layer_ids'])} verifier hidden states "
+        f"- fc fuses {len(aux)} verifier hidden states "
         f"({config['target_hidden_size']} wide each) into the draft's hidden size.",
         f"- lm_head over {vocab} tokens" + (f" (pruned from {config['vocab_size']}; `d2t` maps draft ids to "
                                             "target ids)" if pruned else " (the verifier's full vocabulary)")
@@ -40,32 +41,55 @@ def _architecture(config: dict[str, Any]) -> list[str]:
     ]
 
 
-def _launch(verifier: str, draft: str, aux_vllm: list[int], num_layers: int, tp: int) -> list[str]:
-    aux_sglang = vllm_to_sglang_aux_ids(aux_vllm, num_layers)
-    return [
-        "Aux layers: config.json stores `eagle_aux_hidden_state_layer_ids` "
-        f"= {aux_vllm} in vLLM's convention (id k = the hidden state entering layer k), which vLLM "
-        f"and TokenSpeed read as they are. SGLang numbers layers by their output: the same layers "
-        f"are {aux_sglang} there.",
-        "",
-        "vLLM:",
-        "```bash",
-        f"vllm serve {verifier} --tensor-parallel-size {tp} \\",
-        f"  --speculative-config '{{\"method\": \"eagle3\", \"model\": \"{draft}\", \"num_speculative_tokens\": 3}}'",
-        "```",
-        "SGLang:",
-        "```bash",
-        f"python -m sglang.launch_server --model-path {verifier} --tp {tp} \\",
-        f"  --speculative-algorithm EAGLE3 --speculative-draft-model-path {draft} \\",
-        "  --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4",
-        "```",
-        "TokenSpeed (chain drafting):",
-        "```bash",
-        f"tokenspeed serve {verifier} --tensor-parallel-size {tp} \\",
-        f"  --speculative-algorithm EAGLE3 --speculative-draft-model-path {draft} \\",
-        "  --speculative-num-steps 3",
-        "```",
+def _aux_lines(config: dict[str, Any], aux: list[int], captures: dict[str, tuple[int, ...] | None]) -> list[str]:
+    """Which key each engine reads and the layers it then captures (model/checkpoint.py's rules)."""
+    target = config.get(TARGET_KEY) or DEEPSEEK_V3
+    sglang = (f"; SGLang numbers the same layers by their output: "
+              f"{vllm_to_sglang_aux_ids(aux, int(config.get('target_num_hidden_layers') or max(aux)))}"
+              if min(aux) >= 1 else "")
+    nested = (config.get(EAGLE_CONFIG) or {}).get(AUX_KEY)
+    captured = ", ".join(f"{ENGINE_VERSIONS[engine]} {'none' if got is None else list(got)}"
+                         for engine, got in captures.items())
+    lines = [
+        f"Aux layers: the draft reads the hidden states entering verifier layers {aux} (vLLM's numbering{sglang}). "
+        f"vLLM reads the top-level `{AUX_KEY}` = {config.get(AUX_KEY)}; SGLang and TokenSpeed read "
+        f"`{EAGLE_CONFIG}.{AUX_KEY}` = {nested}, each through its `{target}` model's rule. Layers each engine "
+        f"captures from this folder: {captured}.",
     ]
+    for engine, got in captures.items():
+        if got is None:
+            lines.append(f"{ENGINE_VERSIONS[engine]} has no EAGLE-3 capture for `{target}` verifiers: it cannot serve "
+                         "this draft.")
+        elif list(got) != aux:
+            lines.append(f"{ENGINE_VERSIONS[engine]} would feed the draft the wrong layers"
+                         + (": pass the `--eagle3-layers-to-capture` flag shown below." if engine == "tokenspeed"
+                            else ": do not serve this draft with it."))
+    return lines
+
+
+def _launch(verifier: str, draft: str, config: dict[str, Any], aux: list[int], tp: int) -> list[str]:
+    num_layers = int(config.get("target_num_hidden_layers") or max(aux))
+    target = config.get(TARGET_KEY) or DEEPSEEK_V3
+    captures = engine_captures(config, num_layers)
+    lines = [*_aux_lines(config, aux, captures), "", "vLLM:", "```bash",
+             f"vllm serve {verifier} --tensor-parallel-size {tp} \\",
+             f"  --speculative-config '{{\"method\": \"eagle3\", \"model\": \"{draft}\", \"num_speculative_tokens\": 3}}'",
+             "```"]
+    if captures["sglang"] is not None:
+        lines += ["SGLang:", "```bash",
+                  f"python -m sglang.launch_server --model-path {verifier} --tp {tp} \\",
+                  f"  --speculative-algorithm EAGLE3 --speculative-draft-model-path {draft} \\",
+                  "  --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4",
+                  "```"]
+    flag = ""
+    if captures["tokenspeed"] is not None and list(captures["tokenspeed"]) != aux:
+        flag = " \\\n  --eagle3-layers-to-capture " + ",".join(map(str, tokenspeed_flag_ids(aux, target, num_layers)))
+    lines += ["TokenSpeed (chain drafting):", "```bash",
+              f"tokenspeed serve {verifier} --tensor-parallel-size {tp} \\",
+              f"  --speculative-algorithm EAGLE3 --speculative-draft-model-path {draft} \\",
+              "  --speculative-num-steps 3" + flag,
+              "```"]
+    return lines
 
 
 def _training(summary: dict[str, Any] | None) -> list[str]:
@@ -79,7 +103,7 @@ def _training(summary: dict[str, Any] | None) -> list[str]:
         f"- {summary.get('steps')} optimizer steps, {t.get('grad_accum')} x {t.get('micro_batch')} packed rows of "
         f"up to {t.get('max_len')} tokens per step and rank, {summary.get('world_size')} rank(s), DeepSpeed ZeRO-"
         f"{summary.get('zero_stage')}, {t.get('precision')}.",
-        f"- AdamW lr {t.get('lr')} (warmup {t.get('warmup_steps')}, cosine to {t.get('min_lr_ratio')} x lr), "
+        f"- AdamW lr {t.get('lr')} (warmup {t.get('warmup_steps') if t.get('warmup_steps') is not None else str(t.get('warmup_ratio')) + ' of the steps'}, cosine to {t.get('min_lr_ratio')} x lr), "
         f"grad clip {t.get('grad_clip')}; training-time test {t.get('ttt', {}).get('steps')} steps, "
         f"step weights {t.get('ttt', {}).get('decay')}^k; soft cross-entropy against the verifier's distribution.",
     ]
@@ -94,7 +118,7 @@ def write_card(draft_dir: Path, verifier_name: str, verifier_path: str, tp: int,
     """(Re)write <draft_dir>/README.md; `table`: the markdown accept-length table from `make eval`."""
     draft_dir = Path(draft_dir)
     config = json.loads((draft_dir / CONFIG_FILE).read_text())
-    aux = list(config["eagle_aux_hidden_state_layer_ids"])
+    aux = aux_ids_from_json(config, draft_dir / CONFIG_FILE)
     lines = [
         f"# EAGLE-3 MLA draft for {verifier_name}",
         "",
@@ -102,7 +126,7 @@ def write_card(draft_dir: Path, verifier_name: str, verifier_path: str, tp: int,
         "offline pipeline (`make dump`, `make train`). Load it with the verifier; it is useless alone.",
         "",
         "## Architecture",
-        *_architecture(config),
+        *_architecture(config, aux),
         "",
         "## Training",
         *_training(summary),
@@ -111,7 +135,7 @@ def write_card(draft_dir: Path, verifier_name: str, verifier_path: str, tp: int,
         table if table else "Not measured yet: run `make eval DRAFT=<this folder>`.",
         "",
         "## Launch",
-        *_launch(verifier_path, str(draft_dir), aux, int(config["target_num_hidden_layers"]), tp),
+        *_launch(verifier_path, str(draft_dir), config, aux, tp),
         "",
     ]
     path = draft_dir / CARD

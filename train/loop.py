@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from model.checkpoint import draft_config_json, export_draft
+from model.checkpoint import draft_config_json, export_draft, init_from_draft
 from model.draft import DraftConfig, build_draft
 from model.paths import resolve
 from model.verifier import verifier_dir
@@ -82,7 +82,7 @@ def prepare(cfg: DictConfig, run_dir: Path, world_size: int) -> RunSetup:
     verifier = verifier_dir(cfg.verifier)
     draft_cfg = DraftConfig.from_conf(cfg.draft, verifier)
     split = StoreSplit.open(resolve(cfg.store_dir), float(cfg.eval.heldout_fraction), int(cfg.eval.heldout_seed))
-    check_store(split.reader, draft_cfg, verifier)           # before any compute
+    check_store(split.reader, draft_cfg, verifier, aux_capture=str(cfg.draft.aux_capture))  # before any compute
     t = cfg.train
     rows_per_step = int(t.micro_batch) * int(t.grad_accum) * world_size
     if t.steps is not None:
@@ -96,12 +96,18 @@ def prepare(cfg: DictConfig, run_dir: Path, world_size: int) -> RunSetup:
     return RunSetup(draft_cfg, split, verifier, d2t, total, rows_per_step)
 
 
-def build_objective(setup: RunSetup, cfg: DictConfig) -> Eagle3Objective:
+def build_objective(setup: RunSetup, cfg: DictConfig, resuming: bool = False) -> Eagle3Objective:
     torch.manual_seed(int(cfg.seed))                          # same initial draft on every rank
     draft = build_draft(setup.draft_cfg)
     if setup.d2t is not None:
         draft.set_vocab(setup.d2t)
     draft.load_verifier_head(setup.verifier)
+    init_from = cfg.train.get("init_from")
+    if init_from and resuming:
+        logger.info("train.init_from=%s ignored: the run resumes from its own checkpoint", init_from)
+    elif init_from:
+        init_from_draft(draft, resolve(init_from))            # refuses a folder that is another draft
+        logger.info("draft initialised from %s", resolve(init_from))
     target_head = read_verifier_head(setup.verifier, torch.float32).lm_head  # [V, H]
     return Eagle3Objective(draft, target_head, _objective_config(cfg))
 
@@ -128,7 +134,8 @@ def train_step(engine, batches: Iterator[dict[str, torch.Tensor]], grad_accum: i
 
 def run_evaluation(engine, setup: RunSetup, cfg: DictConfig, rank: int, world: int) -> dict[str, float]:
     plan = setup.split.eval_rows(int(cfg.train.max_len), rank, world)
-    rows = PackedRows(setup.split.path, setup.split.heldout, [r for r, _ in plan], int(cfg.train.max_len))
+    rows = PackedRows(setup.split.path, setup.split.heldout, [r for r, _ in plan], int(cfg.train.max_len),
+                      bool(cfg.train.loss.last_turn_only))
     loader = make_loader(rows, 1, int(cfg.train.num_workers), int(cfg.train.prefetch_factor))
     return evaluate(engine, loader, [c for _, c in plan], int(cfg.eval.ttt_steps))
 
@@ -153,9 +160,9 @@ def fit(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     setup = prepare(cfg, run_dir, world)
     t, K, accum = cfg.train, int(cfg.train.ttt.steps), int(cfg.train.grad_accum)
-    engine = E.initialize(build_objective(setup, cfg), cfg, setup.total_steps)
     ckpt_root = run_dir / E.CHECKPOINTS
     resume_from = E.resolve_resume(t.resume, ckpt_root)
+    engine = E.initialize(build_objective(setup, cfg, resuming=resume_from is not None), cfg, setup.total_steps)
     start = E.load_checkpoint(engine, resume_from) if resume_from else 0
     if resume_from:
         logger.info("resumed from %s at step %d", resume_from, start)
@@ -164,7 +171,8 @@ def fit(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     stream = setup.split.train_stream(int(t.max_len), int(cfg.seed))
     plan = rank_rows(stream, start, setup.total_steps, int(t.micro_batch), accum, rank, world)
-    rows = PackedRows(setup.split.path, setup.split.train, [r for _, r in plan], int(t.max_len))
+    rows = PackedRows(setup.split.path, setup.split.train, [r for _, r in plan], int(t.max_len),
+                      bool(t.loss.last_turn_only))
     batches = iter(make_loader(rows, int(t.micro_batch), int(t.num_workers), int(t.prefetch_factor)))
     rows_per_rank_step = accum * int(t.micro_batch)
     bar = tqdm(total=setup.total_steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
