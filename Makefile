@@ -107,10 +107,26 @@ demo: setup
 bench-train: setup
 	$(PY) -m bench.train $(ARGS)
 
+# `make plan [ARGS="verifier=kimi_k2 draft=kimi_k2 deepspeed=zero3 plan.world_size=16 --json plan.json"]`:
+# the per-rank memory table of a training run, from the meta-device model (train/plan.py).
+.PHONY: plan bench-gpu
+plan: setup
+	$(PY) -m train plan $(ARGS)
+
+# `make bench-gpu [PY=python3] [ARGS="--max-len 4096"]` on one GPU: the Kimi-K2 draft's training
+# step (step time, peak memory beside the plan, tokens/s, MFU): bench/results/gpu_train.json. No
+# `setup` prerequisite: a GPU machine needs only PyTorch, hydra-core, omegaconf and safetensors.
+bench-gpu:
+	$(PY) -m bench.gpu_train $(ARGS)
+
 # Dump throughput against vLLM's prefill, bytes/token against public tools' bf16 storage, peak
 # RSS: bench/results/dump.json.
-.PHONY: bench-dump bench
+.PHONY: bench-dump bench-capture bench
 bench-dump: setup
 	$(PY) -m bench.dump $(ARGS)
+
+# Capture engine eager (pipeline parallelism) vs compiled (PP 1): bench/results/capture_modes.json.
+bench-capture: setup
+	$(PY) -m bench.capture_modes $(ARGS)
 
 bench: bench-dump bench-train

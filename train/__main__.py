@@ -1,5 +1,6 @@
 """`python -m train [hydra overrides]` trains a draft; `python -m train export <checkpoint> [out]`
-exports any DeepSpeed checkpoint of a run as a vLLM draft folder.
+exports any DeepSpeed checkpoint of a run as a vLLM draft folder; `python -m train plan [hydra
+overrides] [plan.world_size=N] [--json FILE]` prints the per-rank memory plan (train/plan.py).
 
     python -m train                                      kimi-tiny on `make dump`'s store
     python -m train train.steps=50 deepspeed=zero3       any value of conf/train.yaml
@@ -77,4 +78,8 @@ def export_main(argv: list[str]) -> int:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "export":
         sys.exit(export_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "plan":
+        from train.plan import main as plan_main
+
+        sys.exit(plan_main(sys.argv[2:]))
     train_main()

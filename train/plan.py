@@ -1,0 +1,400 @@
+"""Per-rank memory plan of a draft training run, from the meta-device model: before anyone
+allocates GPUs.
+
+    python -m train plan [hydra overrides of conf/train.yaml] [plan.world_size=8] [--json FILE]
+    python -m train plan verifier=kimi_k2 draft=kimi_k2 deepspeed=zero3 plan.world_size=16
+
+The model, the batch and one training micro-step (forward with train.ttt.steps TTT steps, the
+chunked loss, backward) run on the meta device: shapes and dtypes are real, no memory and no
+compute is spent, so the plan for a 7168-wide draft on 8192-token rows takes seconds on a laptop.
+
+Rows, bytes per rank. Psi = trainable parameters, N = world size, p = bytes of the training dtype
+(2 in bf16, 4 in fp32). ZeRO stages as DeepSpeed's stage-1/2 and stage-3 optimizers hold them;
+stage 0 is no ZeRO (one process, or plain data parallel with mixed-precision AdamW, as
+bench/gpu_train.py's plain step):
+
+  parameters      trainable weights: p*Psi; ZeRO-3: p*Psi/N, plus the full weights of tensors
+                  under stage3_param_persistence_threshold (the norms), which stay whole
+  gradients       p*Psi (stage 0/1: every rank accumulates whole gradients); ZeRO-2/3: the rank's
+                  partition p*Psi/N plus one reduce bucket (reduce_bucket_size elements)
+  optimizer       AdamW: fp32 master copy 4*Psi and two fp32 moments 8*Psi, divided by N at ZeRO
+                  stages 1-3 (stage 0 in fp32 has no master copy: the weights are the master)
+  frozen verifier the draft's frozen embedding [V, H] and the objective's verifier lm_head [V, H]
+                  (buffers: never partitioned, whole on every rank at every stage), the draft's
+                  frozen final norm and lm_head (parameters; ZeRO-3 partitions them, but the
+                  objective reads lm_head outside its module, so it is gathered whole for the
+                  entire forward and backward: counted whole)
+  micro-batch     the packed rows on the device: aux [B, T, n_aux*H] and final [B, T, H] in bf16,
+                  ids, loss mask, positions, segments
+  activations     tensors autograd saves for the backward, at the end of the forward: measured by
+                  running the real objective on meta tensors under saved_tensors_hooks and summing
+                  the bytes of their storages (deduplicated; weights and the batch excluded). Every
+                  position is counted by the loss (an upper bound: real rows count only the
+                  assistant's tokens)
+  loss chunk      the chunked loss's [chunk, V] blocks (train/objective.py's _Blocks), for
+                  reference: they are part of the forward/backward peak
+  forward/backward peak
+                  the step's own tensors at their highest over forward and backward: activations,
+                  temporaries, the loss chunk, each parameter gradient until DeepSpeed moves it
+                  into its buffers; measured on meta by following every storage the step creates
+                  until it is freed
+  ZeRO-3 gathers  the largest trainable module gathered whole plus one prefetch bucket
+                  (stage3_prefetch_bucket_size elements), held during forward and backward
+  optimizer step  the fp32 gradient partition DeepSpeed builds for the step (4*Psi/N; stage 0:
+                  the fp32 gradients of the master copy), after the backward has freed the rest
+
+  total = parameters + gradients + optimizer + frozen + micro-batch
+          + max(forward/backward peak + ZeRO-3 gathers, optimizer step)
+
+Not counted: the CUDA context and NCCL buffers (a few hundred MB to ~1 GB per GPU), the caching
+allocator's fragmentation, DeepSpeed's flat-buffer alignment padding, the DataLoader's pinned
+host memory.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import weakref
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx.experimental._config  # noqa: F401  (meta nonzero switch used in measure_step)
+from omegaconf import DictConfig
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from model.draft import DraftConfig, build_draft
+from train.objective import Eagle3Objective, ObjectiveConfig, _Blocks
+
+DEFAULT_WORLD_SIZE = 8
+GIB = 1024**3
+# DeepSpeed's defaults where a conf/deepspeed file leaves the key out.
+DS_REDUCE_BUCKET = 500_000_000
+DS_PREFETCH_BUCKET = 50_000_000
+DS_PERSISTENCE_THRESHOLD = 100_000
+
+
+# ---- measuring one micro-step ----------------------------------------------------------------
+def _storage_key(t: Tensor) -> int:
+    """Identity of a tensor's storage (views share it); meta storages have no data pointer."""
+    return t.untyped_storage()._cdata
+
+
+class LiveStorageBytes(TorchDispatchMode):
+    """Bytes of the storages that operators create under this mode and that are still alive, and
+    their peak. Views and in-place results alias an existing storage and add nothing; a storage is
+    released when its last tensor (autograd's saved copies included) is freed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._sizes: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        fresh = [r.alias_info is None for r in func._schema.returns]
+        outputs = out if isinstance(out, (tuple, list)) else (out,)
+        for is_fresh, value in zip(fresh, outputs):
+            if not is_fresh:
+                continue
+            for t in tree_leaves(value):
+                if isinstance(t, Tensor):
+                    self._track(t.untyped_storage())
+        return out
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+        if key in self._sizes:
+            return
+        self._sizes[key] = storage.nbytes()
+        self.live += self._sizes[key]
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._release, key)
+
+    def _release(self, key: int) -> None:
+        self.live -= self._sizes.pop(key, 0)
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    saved_bytes: int                 # storages autograd holds for backward at the end of the forward
+    live_after_forward: int          # every storage the forward created and still holds
+    peak_bytes: int                  # the step's own storages at their peak, forward + backward
+    largest_saved: list[dict[str, Any]] = field(default_factory=list)   # biggest saved shapes
+
+
+def _drop_grad(p: Tensor) -> None:
+    # DeepSpeed copies each gradient into its bucket / partition as soon as it is accumulated.
+    p.grad = None
+
+
+def measure_step(objective: Eagle3Objective, batch: dict[str, Tensor], steps: int | None = None) -> StepMemory:
+    """One training micro-step (objective forward, backward) with its memory accounted for.
+
+    Runs on any device: on meta it costs neither memory nor compute (the loss then counts every
+    position: torch's meta nonzero assumes all elements set). Weights, buffers and the batch exist
+    before and are not the step's; parameter gradients are dropped as soon as they are accumulated
+    (they are the gradients row)."""
+    owned = {_storage_key(t) for t in (*objective.parameters(), *objective.buffers(), *batch.values())}
+    saved: dict[int, int] = {}
+    shapes: Counter[tuple[tuple[int, ...], torch.dtype]] = Counter()
+
+    def pack(t: Tensor) -> Tensor:
+        key = _storage_key(t)
+        if key not in owned and key not in saved:
+            saved[key] = t.untyped_storage().nbytes()
+            shapes[(tuple(t.shape), t.dtype)] += 1
+        return t
+
+    hooks = [p.register_post_accumulate_grad_hook(_drop_grad) for p in objective.parameters() if p.requires_grad]
+    live = LiveStorageBytes()
+    try:
+        with torch.fx.experimental._config.patch(meta_nonzero_assume_all_nonzero=True), live:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = objective(batch, steps)
+            live_after_forward = live.live
+            out.loss.backward()
+            del out
+    finally:
+        for hook in hooks:
+            hook.remove()
+    largest = [{"shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "count": n,
+                "bytes_each": math.prod(shape) * dtype.itemsize} for (shape, dtype), n in shapes.items()]
+    largest.sort(key=lambda r: -r["bytes_each"] * r["count"])
+    return StepMemory(sum(saved.values()), live_after_forward, live.peak, largest[:6])
+
+
+# ---- the model and batch on meta -------------------------------------------------------------
+def meta_objective(draft_cfg: DraftConfig, objective_cfg: ObjectiveConfig, dtype: torch.dtype) -> Eagle3Objective:
+    """The training module as DeepSpeed holds it: weights in the training dtype, the frozen
+    verifier tensors cast to it too (Eagle3Objective.cast_buffers)."""
+    draft = build_draft(draft_cfg, "meta")
+    target_head = torch.empty(draft_cfg.vocab_size, draft_cfg.hidden_size, device="meta")
+    objective = Eagle3Objective(draft, target_head, objective_cfg).to(dtype)
+    objective.cast_buffers(dtype)
+    return objective
+
+
+def meta_batch(draft_cfg: DraftConfig, rows: int, max_len: int, device: torch.device | str = "meta"
+               ) -> dict[str, Tensor]:
+    """A micro-batch of `rows` full rows of max_len tokens (train/batches.py's keys and dtypes)."""
+    B, T, H = rows, max_len, draft_cfg.target_hidden_size
+    long = dict(dtype=torch.long, device=device)
+    return {"input_ids": torch.zeros(B, T, **long), "loss_mask": torch.ones(B, T, dtype=torch.bool, device=device),
+            "aux": torch.zeros(B, T, draft_cfg.num_aux * H, dtype=torch.bfloat16, device=device),
+            "final": torch.zeros(B, T, H, dtype=torch.bfloat16, device=device),
+            "position_ids": torch.zeros(B, T, **long), "segment_ids": torch.zeros(B, T, **long)}
+
+
+def loss_chunk_bytes(draft_cfg: DraftConfig, objective_cfg: ObjectiveConfig, tokens: int, dtype: torch.dtype) -> int:
+    """Bytes of the chunked loss's blocks for `tokens` counted positions (one pass)."""
+    chunk = min(objective_cfg.chunk_tokens(draft_cfg.draft_vocab_size), tokens)
+    blocks = _Blocks(chunk, draft_cfg.vocab_size, draft_cfg.draft_vocab_size, draft_cfg.pruned, dtype,
+                     torch.device("meta"))
+    return sum(t.untyped_storage().nbytes() for t in vars(blocks).values() if isinstance(t, Tensor))
+
+
+# ---- the plan ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PlanSpec:
+    """What the plan depends on besides the draft's shapes."""
+
+    world_size: int
+    zero_stage: int                   # 0 (no ZeRO), 1, 2, 3
+    max_len: int                      # tokens per packed row
+    micro_batch: int                  # rows per rank per micro-step
+    precision: str                    # bf16 | fp32
+    ttt_steps: int
+    ttt_decay: float
+    chunk_bytes: int
+    reduce_bucket_size: int = DS_REDUCE_BUCKET           # elements
+    prefetch_bucket_size: int = DS_PREFETCH_BUCKET       # elements (ZeRO-3)
+    param_persistence_threshold: int = DS_PERSISTENCE_THRESHOLD   # elements (ZeRO-3)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.precision == "bf16" else torch.float32
+
+    def objective_config(self) -> ObjectiveConfig:
+        return ObjectiveConfig(steps=self.ttt_steps, decay=self.ttt_decay, chunk_bytes=self.chunk_bytes)
+
+
+def spec_from_cfg(cfg: DictConfig, world_size: int) -> PlanSpec:
+    """The plan's inputs from a composed conf/train.yaml (its deepspeed group gives the stage)."""
+    t, zero = cfg.train, cfg.deepspeed.zero_optimization
+    if t.precision not in ("bf16", "fp32"):
+        raise ValueError(f"train.precision {t.precision!r}: use bf16 or fp32")
+    return PlanSpec(world_size=world_size, zero_stage=int(zero.stage), max_len=int(t.max_len),
+                    micro_batch=int(t.micro_batch), precision=str(t.precision), ttt_steps=int(t.ttt.steps),
+                    ttt_decay=float(t.ttt.decay), chunk_bytes=int(t.loss.chunk_bytes),
+                    reduce_bucket_size=int(zero.get("reduce_bucket_size", DS_REDUCE_BUCKET)),
+                    prefetch_bucket_size=int(zero.get("stage3_prefetch_bucket_size", DS_PREFETCH_BUCKET)),
+                    param_persistence_threshold=int(zero.get("stage3_param_persistence_threshold",
+                                                             DS_PERSISTENCE_THRESHOLD)))
+
+
+@dataclass
+class PlanRow:
+    name: str
+    bytes: int
+    note: str
+    in_total: bool = True             # false: shown for reference, already inside another row
+
+
+@dataclass
+class MemoryPlan:
+    draft: str
+    spec: PlanSpec
+    trainable_params: int
+    frozen_params: int
+    rows: list[PlanRow]
+    total_bytes: int
+    step: StepMemory
+
+    def to_json(self) -> dict[str, Any]:
+        return {"draft": self.draft, "spec": asdict(self.spec), "trainable_params": self.trainable_params,
+                "frozen_params": self.frozen_params, "rows": [asdict(r) for r in self.rows],
+                "total_bytes": self.total_bytes, "total_gib": self.total_bytes / GIB,
+                "step": asdict(self.step)}
+
+    def table(self) -> str:
+        s = self.spec
+        ranks = f"{s.world_size} rank{'' if s.world_size == 1 else 's'}"
+        head = (f"{self.draft}: {ranks}, ZeRO-{s.zero_stage}, {s.precision}, T {s.max_len} x "
+                f"micro-batch {s.micro_batch}, TTT {s.ttt_steps}; trainable {self.trainable_params / 1e6:.1f} M, "
+                f"frozen {self.frozen_params / 1e6:.1f} M parameters")
+        width = max(len(r.name) for r in self.rows)
+        lines = [head, f"  {'per rank':<{width}}  {'GiB':>9}", f"  {'-' * width}  {'-' * 9}"]
+        for r in self.rows:
+            gib = f"{r.bytes / GIB:9.2f}" if r.in_total else f"({r.bytes / GIB:7.2f})"
+            lines.append(f"  {r.name:<{width}}  {gib}  {r.note}")
+        lines.append(f"  {'total (peak)':<{width}}  {self.total_bytes / GIB:9.2f}")
+        lines.append("  largest saved activations: " + "; ".join(
+            f"{r['count']} x {r['shape']} {r['dtype']} ({r['bytes_each'] / GIB:.2f} GiB each)"
+            for r in self.step.largest_saved[:3]))
+        return "\n".join(lines)
+
+
+def _module_param_bytes(objective: nn.Module, itemsize: int) -> int:
+    """The largest trainable module's own weights (ZeRO-3 gathers a module's weights whole)."""
+    sizes = [sum(p.numel() for p in m.parameters(recurse=False) if p.requires_grad) for m in objective.modules()]
+    return max(sizes, default=0) * itemsize
+
+
+def memory_plan(draft_cfg: DraftConfig, spec: PlanSpec, name: str = "") -> MemoryPlan:
+    """The per-rank plan; the micro-step is measured on meta."""
+    if spec.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage {spec.zero_stage}: 0 (none), 1, 2 or 3")
+    N, stage, p = spec.world_size, spec.zero_stage, spec.dtype.itemsize
+    objective = meta_objective(draft_cfg, spec.objective_config(), spec.dtype)
+    trainable = [t for t in objective.parameters() if t.requires_grad]
+    frozen = [t for t in objective.parameters() if not t.requires_grad]
+    psi = sum(t.numel() for t in trainable)
+    shard = -(-psi // N) if stage >= 1 else psi                         # DeepSpeed pads to N shards
+
+    if stage == 3:
+        persistent = sum(t.numel() for t in trainable if t.numel() <= spec.param_persistence_threshold)
+        params = p * (-(-(psi - persistent) // N) + persistent)
+        params_note = "trainable, partitioned (small tensors whole)"
+    else:
+        params, params_note = p * psi, "trainable, whole on every rank"
+    if stage >= 2:
+        bucket = min(spec.reduce_bucket_size, psi)
+        grads, grads_note = p * (shard + bucket), f"partition + reduce bucket of {bucket / 1e6:.0f} M"
+    else:
+        grads, grads_note = p * psi, "whole on every rank"
+    master = 0 if (stage == 0 and spec.dtype == torch.float32) else 4 * shard
+    optimizer = master + 8 * shard
+    optimizer_note = ("fp32 master + 2 fp32 moments" if master else "2 fp32 moments") + (
+        ", partitioned" if stage >= 1 else "")
+    frozen_bytes = (sum(b.untyped_storage().nbytes() for b in objective.buffers())
+                    + sum(t.untyped_storage().nbytes() for t in frozen))
+    batch = meta_batch(draft_cfg, spec.micro_batch, spec.max_len)
+    batch_bytes = sum(t.untyped_storage().nbytes() for t in batch.values())
+    step = measure_step(objective, batch, spec.ttt_steps)
+    tokens = spec.micro_batch * spec.max_len
+    chunk_tokens = min(spec.objective_config().chunk_tokens(draft_cfg.draft_vocab_size), tokens)
+    chunk = loss_chunk_bytes(draft_cfg, spec.objective_config(), tokens, spec.dtype)
+    gathers = (_module_param_bytes(objective, p) + p * spec.prefetch_bucket_size) if stage == 3 else 0
+    step_grad = 4 * shard
+
+    rows = [
+        PlanRow("parameters", params, params_note),
+        PlanRow("gradients", grads, grads_note),
+        PlanRow("optimizer states", optimizer, optimizer_note),
+        PlanRow("frozen verifier tensors", frozen_bytes,
+                "embedding, verifier lm_head, draft norm + lm_head: whole on every rank"),
+        PlanRow("micro-batch", batch_bytes, "aux + final states (bf16), ids, masks"),
+        PlanRow("activations (saved)", step.saved_bytes, "saved for backward, every position counted",
+                in_total=False),
+        PlanRow("loss chunk", chunk, f"[{chunk_tokens}, V] blocks", in_total=False),
+        PlanRow("forward/backward peak", step.peak_bytes, "activations + temporaries + loss chunk + one grad"),
+    ]
+    if stage == 3:
+        rows.append(PlanRow("ZeRO-3 gathers", gathers, "largest module whole + prefetch bucket"))
+    rows.append(PlanRow("optimizer step (fp32 grads)", step_grad, "after backward: max with the peak above",
+                        in_total=False))
+    persistent_total = params + grads + optimizer + frozen_bytes + batch_bytes
+    total = persistent_total + max(step.peak_bytes + gathers, step_grad)
+    name = name or f"draft H {draft_cfg.hidden_size}, V {draft_cfg.vocab_size}"
+    return MemoryPlan(name, spec, psi, sum(t.numel() for t in frozen), rows, total, step)
+
+
+# ---- command line ------------------------------------------------------------------------------
+PLAN_KEYS = {"world_size": int, "json": str}
+
+
+def split_plan_overrides(overrides: list[str]) -> tuple[list[str], dict[str, Any]]:
+    """(Hydra overrides of conf/train.yaml, plan.* values): conf/train.yaml has no plan group."""
+    rest, plan = [], {}
+    for item in overrides:
+        key, sep, value = item.lstrip("+").partition("=")
+        if key.startswith("plan."):
+            name = key.removeprefix("plan.")
+            if name not in PLAN_KEYS or not sep:
+                raise SystemExit(f"unknown plan option {item!r}: plan.world_size=N, plan.json=FILE")
+            plan[name] = PLAN_KEYS[name](value)
+        else:
+            rest.append(item)
+    return rest, plan
+
+
+def plan_from_overrides(overrides: list[str], world_size: int) -> MemoryPlan:
+    from model.config import compose_config
+
+    cfg = compose_config("train", overrides)
+    return memory_plan(DraftConfig.from_conf(cfg.draft), spec_from_cfg(cfg, world_size), str(cfg.draft.name))
+
+
+def main(argv: list[str], out: Callable[[str], None] = print) -> int:
+    parser = argparse.ArgumentParser(prog="python -m train plan",
+                                     description="Per-rank memory plan of a training run (meta device).")
+    parser.add_argument("--json", type=Path, help="also write the plan as JSON to this file ('-': stdout)")
+    parser.add_argument("overrides", nargs="*",
+                        help=f"hydra overrides of conf/train.yaml; plan.world_size=N (default {DEFAULT_WORLD_SIZE})")
+    args = parser.parse_args(argv)
+    overrides, options = split_plan_overrides(args.overrides)
+    plan = plan_from_overrides(overrides, int(options.get("world_size", DEFAULT_WORLD_SIZE)))
+    json_path = args.json or (Path(options["json"]) if "json" in options else None)
+    document = json.dumps({**plan.to_json(), "overrides": overrides}, indent=2)
+    if json_path is not None and str(json_path) == "-":
+        out(document)
+        return 0
+    out(plan.table())
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(document + "\n")
+        out(f"wrote {json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
