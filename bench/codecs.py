@@ -58,7 +58,7 @@ class Measurement:
 
 
 def candidate_codecs(typesize: int) -> dict[str, Codec]:
-    """The compressors the issue names: zstd levels, and blosc with bit- or byte-shuffle."""
+    """The compressors compared: zstd levels, and blosc with bit- or byte-shuffle."""
     codecs: dict[str, Codec] = {f"zstd-{level}": numcodecs.Zstd(level=level) for level in (1, 3, 9)}
     shuffles = {"byteshuffle": numcodecs.Blosc.SHUFFLE, "bitshuffle": numcodecs.Blosc.BITSHUFFLE}
     for cname, levels in (("zstd", (1, 3, 5)), ("lz4", (5,))):

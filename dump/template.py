@@ -5,7 +5,7 @@ the assistant, i.e. the tokens of an assistant turn's content and its closing <|
 headers (<|im_assistant|>assistant<|im_middle|>), system and user turns are 0. The template marks
 these tokens itself with a `{% generation %}` block, so there is one definition of "assistant
 token" and it lives with the chat format. How the trainer shifts the mask is the trainer's
-business (facts file section 1).
+business (train/objective.py states the alignment).
 """
 from __future__ import annotations
 

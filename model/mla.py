@@ -5,7 +5,7 @@ kv_a_layernorm, kv_b_proj, o_proj) so the vLLM checkpoint is a plain rename. The
 that read the layer input (q_a_proj / q_proj, kv_a_proj_with_mqa) take `input_size`, which is
 2H for the EAGLE-3 first layer (cat[embedding, hidden]).
 
-Training-time test (TTT), facts file section 2: step k's query at position t attends the
+Training-time test (TTT): step k's query at position t attends the
 step-0 keys K0[s] for s <= t (same sample) plus the diagonal keys K1[t] .. Kk[t] of steps
 1..k. `TTTCache` carries K0/V0 and the diagonal keys; two interchangeable kernels compute the
 attention:
@@ -127,7 +127,7 @@ def attention_ttt(q: Tensor, cache: TTTCache, scale: float, segment_ids: Tensor 
 
 
 def ttt_mask(T: int, num_steps: int, segment_ids: Tensor | None, B: int, device: torch.device) -> Tensor:
-    """[B, 1, T, num_steps*T] bool, the facts file's mask over keys concatenated step by step:
+    """[B, 1, T, num_steps*T] bool, the TTT mask over keys concatenated step by step:
     (kv < T and q >= kv and same sample) or (kv >= T and (kv - q) % T == 0)."""
     qi = torch.arange(T, device=device)[:, None]
     kv = torch.arange(num_steps * T, device=device)[None, :]

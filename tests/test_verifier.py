@@ -39,7 +39,7 @@ def test_config_json_matches_the_verifier_config(kimi_tiny_dir: Path,
     shipped = json.loads((kimi_tiny_dir / "config.json").read_text())
     for key, value in hf_config_dict(kimi_tiny_cfg).items():
         assert shipped[key] == value, key
-    # vLLM routes with softmax unless told otherwise (facts file section 5).
+    # vLLM routes with softmax unless told otherwise (vLLM reads scoring_func from config.json).
     assert shipped["scoring_func"] == "sigmoid" and shipped["topk_method"] == "noaux_tc"
     layers = shipped["num_hidden_layers"]
     assert list(kimi_tiny_cfg.aux_layer_ids) == [2, layers // 2, layers - 3]

@@ -3,7 +3,7 @@
 The draft runs its TTT chain on held-out samples exactly as in training (ground-truth ids, its
 own hidden states fed back), for `eval.ttt_steps` steps whatever it was trained with, so drafts
 trained with different TTT depths are compared on the same chain. acc_k = share of counted
-positions where the draft's top-1 equals the verifier's at step k; accept_length is the issue's
+positions where the draft's top-1 equals the verifier's at step k; accept_length is the usual
 1 + sum_k prod_{i<=k} acc_i, chain_accept_length replays greedy chain drafting position by
 position (1 + sum_k share of chains whose drafts 0..k all agree), which is what vLLM measures
 (train/metrics.py). On kimi-tiny's held-out split the two differ by ~0.02; against vLLM's own

@@ -22,7 +22,7 @@ TENSORBOARD = "tensorboard"
 def step_metrics(stats: Tensor, prefix: str = "") -> dict[str, float]:
     """stats [4, K] (train/objective.py's StepStats summed over batches and ranks) -> per step k:
     loss_k and acc_k (top-1 agreement over step k's counted positions), chain_k (share of chains
-    still fully accepted after draft k); accept_length = 1 + sum_k prod_{i<=k} acc_i (the issue's
+    still fully accepted after draft k); accept_length = 1 + sum_k prod_{i<=k} acc_i (the usual
     estimate, as if steps were independent) and chain_accept_length = 1 + sum_k chain_k (greedy
     chain drafting replayed on the same text: what vLLM would accept on it)."""
     loss_sum, correct, count, chain = stats.double().cpu()

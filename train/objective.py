@@ -1,6 +1,6 @@
 """The training objective: TTT unrolled over K steps, chunked soft cross-entropy, per-step metrics.
 
-Alignment (facts file section 1), for one sample x[0..T-1] with loss mask l, aux states A and
+Alignment, for one sample x[0..T-1] with loss mask l, aux states A and
 the verifier's final hidden states F (softmax(lm_head(F_t)) = p(x_{t+1} | x<=t)):
 
     step k, position t:  input    [embed(x_{t+1+k}), h_k(t)]    h_0 = fc(A_t), h_{k+1} = pre-norm output of step k
