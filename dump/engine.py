@@ -13,7 +13,8 @@ def engine_kwargs(engine: DictConfig) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "dtype": engine.dtype,
         "tensor_parallel_size": engine.tensor_parallel_size,
-        "pipeline_parallel_size": engine.get("pipeline_parallel_size"),
+        "pipeline_parallel_size": engine.pipeline_parallel_size,
+        "distributed_executor_backend": engine.distributed_executor_backend,
         "max_model_len": engine.max_model_len,
         "max_num_seqs": engine.max_num_seqs,
         "max_num_batched_tokens": engine.max_num_batched_tokens,

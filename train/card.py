@@ -67,12 +67,13 @@ def _aux_lines(config: dict[str, Any], aux: list[int], captures: dict[str, tuple
     return lines
 
 
-def _launch(verifier: str, draft: str, config: dict[str, Any], aux: list[int], tp: int) -> list[str]:
+def _launch(verifier: str, draft: str, config: dict[str, Any], aux: list[int], tp: int, pp: int) -> list[str]:
     num_layers = int(config.get("target_num_hidden_layers") or max(aux))
     target = config.get(TARGET_KEY) or DEEPSEEK_V3
     captures = engine_captures(config, num_layers)
     lines = [*_aux_lines(config, aux, captures), "", "vLLM:", "```bash",
-             f"vllm serve {verifier} --tensor-parallel-size {tp} \\",
+             f"vllm serve {verifier} --tensor-parallel-size {tp}"
+             + (f" --pipeline-parallel-size {pp}" if pp > 1 else "") + " \\",
              f"  --speculative-config '{{\"method\": \"eagle3\", \"model\": \"{draft}\", \"num_speculative_tokens\": 3}}'",
              "```"]
     if captures["sglang"] is not None:
@@ -113,7 +114,7 @@ def _training(summary: dict[str, Any] | None) -> list[str]:
     return lines
 
 
-def write_card(draft_dir: Path, verifier_name: str, verifier_path: str, tp: int,
+def write_card(draft_dir: Path, verifier_name: str, verifier_path: str, tp: int, pp: int,
                summary: dict[str, Any] | None = None, table: str | None = None) -> Path:
     """(Re)write <draft_dir>/README.md; `table`: the markdown accept-length table from `make eval`."""
     draft_dir = Path(draft_dir)
@@ -135,7 +136,7 @@ def write_card(draft_dir: Path, verifier_name: str, verifier_path: str, tp: int,
         table if table else "Not measured yet: run `make eval DRAFT=<this folder>`.",
         "",
         "## Launch",
-        *_launch(verifier_path, str(draft_dir), config, aux, tp),
+        *_launch(verifier_path, str(draft_dir), config, aux, tp, pp),
         "",
     ]
     path = draft_dir / CARD

@@ -223,7 +223,7 @@ def evaluate_draft(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         report.plot(results, run_dir / "acceptance.png",
                     f"{draft_dir.parent.name}/{draft_dir.name} on {cfg.verifier.name}: acceptance per draft position")
     if cfg.card:
-        write_card(draft_dir, cfg.verifier.name, str(cfg.verifier.path), int(cfg.verifier.serving_tp),
+        write_card(draft_dir, cfg.verifier.name, str(cfg.verifier.path), int(cfg.verifier.serving_tp), int(cfg.verifier.serving_pp),
                    run_summary(draft_dir), text)
     return out
 

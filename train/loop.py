@@ -219,6 +219,7 @@ def fit(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     if rank == 0:
         (run_dir / SUMMARY).write_text(json.dumps(summary, indent=2, default=str) + "\n")
         if exported:
-            write_card(Path(exported), cfg.verifier.name, str(cfg.verifier.path), int(cfg.verifier.serving_tp), summary)
+            write_card(Path(exported), cfg.verifier.name, str(cfg.verifier.path), int(cfg.verifier.serving_tp),
+                       int(cfg.verifier.serving_pp), summary)
     engine.destroy()
     return summary
