@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 GPU ?=
 ARGS ?=
 
-# Caches and offline mode also come from model/runtime_env.py; exported here for the tools
+# Caches and offline mode also come from infra.py (configure_environment); exported here for the tools
 # make runs before Python does (pip).
 export HF_HUB_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
@@ -39,7 +39,7 @@ clean-setup:
 
 # Train the embedded kimi-tiny verifier (tokenizer + model) and write model/verifier/kimi_tiny.
 verifier: setup
-	$(PY) -m model.verifier.build $(ARGS)
+	$(PY) -m tools.build_verifier $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q $(ARGS)
@@ -90,7 +90,7 @@ endif
 .PHONY: eval demo
 eval: setup
 	@test -n "$(EVAL_DRAFT)" || { echo "make eval: no draft (pass DRAFT=<folder>, e.g. runs/train/<run>/draft)" >&2; exit 2; }
-	$(PY) -m train.eval draft_dir=$(EVAL_DRAFT) $(PROMPTS_ARGS) $(ARGS)
+	$(PY) -m evaluation draft_dir=$(EVAL_DRAFT) $(PROMPTS_ARGS) $(ARGS)
 
 # The whole pipeline on the embedded default, in fixed folders under runs/demo so that running it
 # again resumes (the dump skips what it stored, training continues from its newest checkpoint).

@@ -17,15 +17,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer
+import infra
 
-import model  # noqa: F401  (offline/cache environment)
-from bench.dump import prompts_of, timed
-from dump.capture import HiddenStateCapture, capture_spec, start_capture_engine
-from dump.engine import shutdown_llm
-from model.config import compose_config
-from model.paths import REPO_ROOT
-from model.verifier import verifier_dir
+infra.configure_environment()  # offline hubs, caches in the repo: before transformers loads below
+
+from transformers import AutoTokenizer  # noqa: E402
+
+from bench.dump import prompts_of, timed  # noqa: E402
+from dump.capture import HiddenStateCapture, capture_spec, start_capture_engine  # noqa: E402
+from dump.engine import shutdown_llm  # noqa: E402
+from infra import REPO_ROOT, compose_config  # noqa: E402
+from model.verifier import verifier_dir  # noqa: E402
 
 # Eager: the CPU config as `make dump` runs it. Compiled: the GPU config's setting
 # (enforce_eager false) with vLLM's default compilation, which on CPU also fixes the rotary op.

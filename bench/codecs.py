@@ -5,7 +5,7 @@
 Runs the verifier (Hugging Face transformers, fp32, CPU) on a few ShareGPT train
 conversations rendered with its chat template, takes the aux hidden states (the ids of
 conf/verifier/kimi_tiny.yaml, vLLM convention: id k = hidden_states[k]) and the final hidden
-state, and stores them the way dump/store.py does: bf16 bits as uint16 (lossless mode) and
+state, and stores them the way the store package does: bf16 bits as uint16 (lossless mode) and
 e4m3 bytes with per-token scales (fp8 mode). Each codec then compresses the same chunks of
 `target_chunk_bytes` (conf/store/lossless.yaml), one thread, and the script reports the ratio
 (raw / compressed) and encode / decode MB/s of raw bytes. Results go to
@@ -27,7 +27,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import model  # noqa: F401  (offline environment before transformers loads)
 import numcodecs
 import numcodecs.blosc
 import numpy as np
@@ -36,9 +35,12 @@ from hydra import compose, initialize_config_dir
 from numcodecs.abc import Codec
 from omegaconf import OmegaConf
 
-from dump.conversations import load_conversations
-from dump.store import StoreReader, StoreWriter, encode_bf16, encode_fp8, inspect_store, verifier_identity
-from model.paths import REPO_ROOT, resolve
+import infra
+from data.conversations import load_conversations
+from infra import CONF_DIR, REPO_ROOT, resolve
+from store import StoreReader, StoreWriter, encode_bf16, encode_fp8, inspect_store, verifier_identity
+
+infra.configure_environment()  # offline hubs, caches in the repo: before the functions below load transformers
 
 TRAINED_VERIFIER = REPO_ROOT / "model/verifier/kimi_tiny"
 RESULTS = REPO_ROOT / "bench/results/codecs.json"
@@ -83,7 +85,7 @@ def token_batches(verifier: Path, n_conversations: int, max_tokens: int) -> Iter
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(verifier)
-    data_cfg = OmegaConf.load(REPO_ROOT / "conf/data/sharegpt.yaml")
+    data_cfg = OmegaConf.load(CONF_DIR / "data/sharegpt.yaml")
     data_cfg.max_samples = n_conversations
     for conversation in load_conversations(data_cfg, "train"):
         messages = [{"role": m.role, "content": m.content} for m in conversation.messages]
@@ -175,7 +177,7 @@ class StoreFigures:
 
 def storage_cfg(mode: str) -> dict[str, Any]:
     """conf/store/<mode>.yaml as Hydra composes it."""
-    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf/store"), version_base=None):
+    with initialize_config_dir(config_dir=str(CONF_DIR / "store"), version_base=None):
         cfg = OmegaConf.to_container(compose(config_name=mode), resolve=True)
     assert isinstance(cfg, dict)
     return cfg
@@ -231,7 +233,7 @@ def main() -> None:
     torch.set_num_threads(1)
     numcodecs.blosc.set_nthreads(1)
     verifier = find_verifier(args.verifier)
-    aux_ids = list(OmegaConf.load(REPO_ROOT / "conf/verifier/kimi_tiny.yaml").aux_layer_ids)
+    aux_ids = list(OmegaConf.load(CONF_DIR / "verifier/kimi_tiny.yaml").aux_layer_ids)
     chunk_bytes = storage_cfg("lossless")["target_chunk_bytes"]
     batches = token_batches(verifier, args.conversations, args.max_tokens)
     conversations = hidden_states(verifier, aux_ids, batches)

@@ -18,18 +18,20 @@ import time
 from itertools import islice
 from pathlib import Path
 
-import psutil
-from transformers import AutoTokenizer
+import infra
 
-import model  # noqa: F401  (offline/cache environment)
-from dump.capture import HiddenStateCapture, capture_spec, start_capture_engine
-from dump.conversations import load_conversations
-from dump.engine import shutdown_llm
-from dump.store import StoreWriter, inspect_store, verifier_identity
-from dump.template import SampleRejected, tokenize_conversation
-from model.paths import REPO_ROOT
-from model.verifier import verifier_dir
-from model.config import compose_config
+infra.configure_environment()  # offline hubs, caches in the repo: before transformers loads below
+
+import psutil  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+from data.conversations import load_conversations  # noqa: E402
+from data.template import SampleRejected, tokenize_conversation  # noqa: E402
+from dump.capture import HiddenStateCapture, capture_spec, start_capture_engine  # noqa: E402
+from dump.engine import shutdown_llm  # noqa: E402
+from infra import REPO_ROOT, compose_config  # noqa: E402
+from model.verifier import verifier_dir  # noqa: E402
+from store import StoreWriter, inspect_store, verifier_identity  # noqa: E402
 
 
 class PeakRSS:

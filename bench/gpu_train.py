@@ -58,16 +58,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import model  # noqa: F401  (offline/cache environment first)
 import torch
 from omegaconf import DictConfig
 from torch import Tensor, nn
 
-from model.config import compose_config
+import infra
+from infra import REPO_ROOT, compose_config
 from model.draft import DraftConfig, Eagle3Draft
-from model.paths import REPO_ROOT
 from train.objective import Eagle3Objective, ObjectiveConfig, step_inputs
 from train.plan import GIB, MemoryPlan, PlanSpec, memory_plan
+
+infra.configure_environment()  # caches in the repo (torch extensions, Triton)
 
 RESULTS = REPO_ROOT / "bench/results/gpu_train.json"
 SMOKE_RESULTS = REPO_ROOT / "bench/results/gpu_train_smoke.json"

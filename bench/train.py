@@ -31,13 +31,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import model  # noqa: F401  (offline environment first)
 import torch
 from omegaconf import DictConfig
 from torch.utils.flop_counter import FlopCounterMode
 
-from model.config import compose_config
-from model.paths import REPO_ROOT, resolve
+import infra
+from infra import REPO_ROOT, compose_config, resolve
+
+infra.configure_environment()  # offline hubs, caches in the repo (DeepSpeed's torch extensions, Triton)
 
 RESULTS = REPO_ROOT / "bench/results/train.json"
 KIMI_VOCAB = 163_840

@@ -10,8 +10,12 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+import infra
 
-@hydra.main(version_base=None, config_path="../conf", config_name="dump")
+infra.configure_environment()  # offline hubs, caches in the repo: before vLLM or transformers load
+
+
+@hydra.main(version_base=None, config_path=str(infra.CONF_DIR), config_name="dump")
 def dump_main(cfg: DictConfig) -> None:
     from dump.pipeline import run_dump  # imported here: it pulls in vLLM
 
@@ -28,7 +32,7 @@ def dump_main(cfg: DictConfig) -> None:
 
 
 def inspect_main(argv: list[str]) -> int:
-    from dump.store import format_inspect, inspect_store
+    from store import format_inspect, inspect_store
 
     parser = argparse.ArgumentParser(prog="python -m dump inspect",
                                      description="Summarise a store and verify every checksum.")

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from dump.store import AUX_CAPTURES
+from store import AUX_CAPTURES
 
 _STATE_ATTR = "_eagle3_capture"
 # vLLM's switch between Kimi-K3's two aux modes (vllm/envs.py, vLLM 0.32); read when the engine's
@@ -117,7 +117,7 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
 
 def capture_spec(verifier: Any) -> CaptureSpec:
     """The capture a verifier config asks for (conf/verifier/*: aux ids, aux mode, final norm)."""
-    from model.checkpoint import to_vllm_aux_ids
+    from model.aux_ids import to_vllm_aux_ids
 
     ids = to_vllm_aux_ids(list(verifier.aux_layer_ids), verifier.aux_convention,
                           int(verifier.architecture.num_hidden_layers))

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from vllm.platforms import current_platform
 
+import infra
 from dump.capture import ADDITIONAL_CONFIG_KEY, enable_aux_outputs
+
+# The project's entry point in each vLLM worker process, which may run on another node (Ray)
+# without the environment the driver's entry point set.
+infra.configure_environment()
 
 if current_platform.is_cpu():
     from vllm.v1.worker.cpu_worker import CPUWorker as _PlatformWorker

@@ -12,14 +12,14 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
+from data.conversations import Conversation, ReadStats, load_conversations
+from data.template import SampleRejected, TokenizedSample, tokenize_conversation
 from dump.capture import HiddenStateCapture, capture_spec, start_capture_engine
-from dump.conversations import Conversation, ReadStats, load_conversations
 from dump.engine import shutdown_llm
 from dump.regenerate import regenerate
-from dump.store import StoreWriter, verifier_identity
-from dump.template import SampleRejected, TokenizedSample, tokenize_conversation
-from model.paths import resolve
+from infra import resolve
 from model.verifier import verifier_dir
+from store import StoreWriter, verifier_identity
 
 
 def batched(items: Iterable[Conversation], size: int) -> Iterator[list[Conversation]]:

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
 
-from dump.conversations import Conversation, Message
-from dump.template import as_chat, prompt_ids
+from data.conversations import Conversation, Message
+from data.template import as_chat, prompt_ids
 
 
 def sample_seed(sample_id: str, base_seed: int) -> int:

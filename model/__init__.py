@@ -1,2 +1,1 @@
-"""Draft model, MLA attention, checkpoint export and verifier definitions."""
-from model import runtime_env as _runtime_env  # noqa: F401  (sets the offline/cache environment first)
+"""Draft model, MLA attention, checkpoint export, the draft's model card and verifier definitions."""

@@ -32,7 +32,8 @@ different layers to different engines and targets; `vllm_capture`, `sglang_captu
 - `target_model_type` (the verifier's model_type) records which target that value was made
   for; no engine reads it.
 
-Aux-layer conventions are converted here and only here.
+Aux-layer id conventions are converted in model/aux_ids.py only; this module applies each
+engine's reading rule to them.
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from model.aux_ids import sglang_to_vllm_aux_ids, to_vllm_aux_ids, vllm_to_sglang_aux_ids
 from model.draft import DraftConfig, Eagle3Draft, layer_shapes
 from model.vocab import t2d_from_d2t
 
@@ -65,36 +67,6 @@ KIMI_K3 = "kimi_k3"
 TARGETS = (DEEPSEEK_V3, KIMI_K3)
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-
-
-# ---- aux-layer id conventions -----------------------------------------------------------
-# vLLM / speculators: id k = hidden state entering layer k (HF output_hidden_states[k]),
-#   0 = embedding output, N = last layer's output (pre-norm residual).
-# SGLang / SpecForge / TorchSpec: id k = output of layer k, 0..N-1. Same layer: vllm = sglang + 1.
-
-def sglang_to_vllm_aux_ids(ids: Sequence[int], num_layers: int) -> list[int]:
-    """SGLang ids (layer outputs, 0..N-1) -> vLLM ids (layer inputs, 1..N)."""
-    if any(not 0 <= i < num_layers for i in ids):
-        raise ValueError(f"SGLang aux ids {list(ids)} outside 0..{num_layers - 1}")
-    return [i + 1 for i in ids]
-
-
-def vllm_to_sglang_aux_ids(ids: Sequence[int], num_layers: int) -> list[int]:
-    """vLLM ids (layer inputs, 1..N) -> SGLang ids (layer outputs, 0..N-1); 0 (embeddings) has none."""
-    if any(not 1 <= i <= num_layers for i in ids):
-        raise ValueError(f"vLLM aux ids {list(ids)} outside 1..{num_layers} (SGLang cannot name the embedding output)")
-    return [i - 1 for i in ids]
-
-
-def to_vllm_aux_ids(ids: Sequence[int], convention: str, num_layers: int) -> list[int]:
-    """Aux ids given in `convention` ("vllm" | "sglang") as vLLM ids."""
-    if convention == "vllm":
-        if any(not 0 <= i <= num_layers for i in ids):
-            raise ValueError(f"vLLM aux ids {list(ids)} outside 0..{num_layers}")
-        return list(ids)
-    if convention == "sglang":
-        return sglang_to_vllm_aux_ids(ids, num_layers)
-    raise ValueError(f"unknown aux-id convention {convention!r} (vllm | sglang)")
 
 
 # ---- each engine's reading rule ---------------------------------------------------------

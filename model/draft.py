@@ -22,12 +22,11 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
+from infra import CONF_DIR
+from model.aux_ids import to_vllm_aux_ids
 from model.mla import MLAConfig, MLAttention, RMSNorm, TTTCache
-from model.paths import REPO_ROOT
 from model.rope import RopeSpec
 from model.vocab import draft_to_target, t2d_from_d2t, target_ids_of
-
-CONF_DIR = REPO_ROOT / "conf"
 
 
 @dataclass(frozen=True)
@@ -104,8 +103,6 @@ class DraftConfig:
         if d["hidden_size"] != d["target_hidden_size"]:
             # vLLM feeds the target's embedding (width H_t) into the draft layer.
             raise ValueError("the draft hidden_size must equal the verifier's")
-        from model.checkpoint import to_vllm_aux_ids  # the one home of aux-id conventions
-
         aux = to_vllm_aux_ids(d["aux_layer_ids"], d["aux_convention"], d["target_num_hidden_layers"])
         return cls(
             **layer_shapes(d),

@@ -5,12 +5,15 @@ import gc
 from collections.abc import Iterator
 from pathlib import Path
 
-import model  # noqa: F401  (offline/cache environment before anything imports transformers or vLLM)
 import pytest
 from omegaconf import DictConfig
 
-from model.config import compose_config
+import infra
+from infra import compose_config
 from model.verifier import verifier_dir
+
+# Before any test module imports transformers or vLLM (none of the imports above does).
+infra.configure_environment()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -75,9 +78,9 @@ def write_verifier_store(path: Path, verifier_path: Path, samples: int, max_len:
     import torch
     from transformers import AutoTokenizer, DeepseekV3ForCausalLM
 
-    from dump.conversations import load_conversations
-    from dump.store import StoreWriter, verifier_identity
-    from dump.template import SampleRejected, tokenize_conversation
+    from data.conversations import load_conversations
+    from data.template import SampleRejected, tokenize_conversation
+    from store import StoreWriter, verifier_identity
 
     cfg = compose_config("dump")
     tokenizer = AutoTokenizer.from_pretrained(verifier_path)

@@ -1,4 +1,4 @@
-"""Accept-length simulation on hand-built cases with known answers (train/accept.py, train/simulate.py)."""
+"""Accept-length simulation on hand-built cases with known answers (evaluation/accept.py, evaluation/simulate.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dump.store import Sample
+from evaluation.accept import (AcceptCounts, acceptance_probability, decode_walk, expected_counts, leading_run,
+                               sampling_probs)
+from evaluation.simulate import Sampling, answer_spans, simulate_sample
 from model.draft import DraftConfig, build_draft, compose_draft_conf
-from train.accept import (AcceptCounts, acceptance_probability, decode_walk, expected_counts, leading_run,
-                          sampling_probs)
-from train.simulate import Sampling, answer_spans, simulate_sample
+from store import Sample
 
 K = 3
 

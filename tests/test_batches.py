@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dump.conversations import sharegpt_split_key
-from dump.store import StoreMismatchError, StoreReader, StoreWriter, verifier_identity
+from data.conversations import sharegpt_split_key
+from infra import compose_config
 from model.draft import DraftConfig, compose_draft_conf
-from model.config import compose_config
+from store import StoreMismatchError, StoreReader, StoreWriter, verifier_identity
 from train.batches import (PAD_SEGMENT, PackedRows, RowStream, StoreSplit, check_store, collate_rows,
                            last_turn_mask, pack_next_fit, pack_row, rank_rows, split_samples)
 

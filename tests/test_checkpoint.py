@@ -330,7 +330,7 @@ def test_init_from_refuses_another_draft(tiny_cfg: DraftConfig, tmp_path: Path, 
 
 def test_train_init_from_starts_the_run_from_the_folder_unless_it_resumes(tiny_cfg: DraftConfig, tmp_path: Path,
                                                                           draft_verifier_dir: Path) -> None:
-    from model.config import compose_config
+    from infra import compose_config
     from train.loop import RunSetup, build_objective
 
     published = _draft(tiny_cfg)                            # seed 0; the run initialises with seed 7

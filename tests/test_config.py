@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from model.config import compose_config
+from infra import compose_config
 
 
 @pytest.mark.parametrize("entry", ["build_verifier", "dump", "train"])
@@ -29,7 +29,7 @@ def test_verifiers_use_vllm_default_aux_layers(verifier: str, layers: int) -> No
                                               ("kimi_k2", "residual_stream"),
                                               ("kimi_k3", "prefix_only")])
 def test_aux_capture_of_each_verifier_reaches_its_draft(verifier: str, capture: str) -> None:
-    from dump.store import AUX_CAPTURES
+    from store import AUX_CAPTURES
 
     cfg = compose_config("train", [f"verifier={verifier}", f"draft={verifier}"])
     assert cfg.verifier.aux_capture == cfg.draft.aux_capture == capture

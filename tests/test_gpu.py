@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from infra import REPO_ROOT
 from model.draft import DraftConfig, compose_draft_conf
-from model.paths import REPO_ROOT
 from train.batches import collate_rows, pack_row
 from train.objective import Eagle3Objective, ObjectiveConfig, soft_cross_entropy
 from train.plan import measure_step, meta_batch, meta_objective
@@ -132,7 +132,7 @@ def test_expand_patch_stays_off_on_this_gpu_platform() -> None:
     pytest.importorskip("vllm")
     from vllm.platforms import current_platform
 
-    from train.speculative import _patch_expand
+    from evaluation.speculative import _patch_expand
 
     assert not current_platform.is_cpu()
     assert _patch_expand(None) is False
@@ -147,7 +147,7 @@ def test_expand_patch_is_a_no_op_off_vllms_cpu_platform() -> None:
     from vllm.platforms.interface import UnspecifiedPlatform
     from vllm.triton_utils import dispatcher
 
-    from train.speculative import patch_expand_kernel
+    from evaluation.speculative import patch_expand_kernel
 
     platform = UnspecifiedPlatform()
     assert not platform.is_cpu()

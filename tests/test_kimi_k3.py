@@ -9,12 +9,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dump.store import verifier_identity
-from model.checkpoint import draft_config_json, vllm_to_sglang_aux_ids
-from model.config import compose_config
+from infra import compose_config
+from model.aux_ids import vllm_to_sglang_aux_ids
+from model.checkpoint import draft_config_json
 from model.draft import DraftConfig
 from model.verifier_weights import (head_names, read_token_ids, read_verifier_embedding,
                                     read_verifier_head)
+from store import verifier_identity
 
 V, H = 16, 8
 

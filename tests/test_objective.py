@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import train.objective as objective_module
-from dump.store import StoreReader
 from model.draft import DraftConfig, build_draft, compose_draft_conf
 from model.verifier_weights import read_verifier_head
+from store import StoreReader
 from train.batches import collate_rows, pack_row
 from train.objective import (Eagle3Objective, ObjectiveConfig, simulated_accept_length,
                              soft_cross_entropy, step_inputs)

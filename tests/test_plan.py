@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from model.config import compose_config
+from infra import compose_config
 from model.draft import DraftConfig, compose_draft_conf
 from train.objective import Eagle3Objective, ObjectiveConfig
 from train.plan import (PlanSpec, StepMemory, main, measure_step, memory_plan, meta_batch, meta_objective,
@@ -91,15 +91,14 @@ def test_meta_activations_and_peak_match_the_cpu_allocator(tiny_cfg: DraftConfig
     assert low <= planned.peak_bytes / peak <= high
 
 
-def test_attention_scores_dominate_long_rows(tiny_cfg: DraftConfig) -> None:
-    """Doubling T quadruples the [heads, T, T] attention tensors: the saved activations grow
-    faster than 2x once they dominate."""
+def test_saved_activations_grow_linearly_with_the_row(tiny_cfg: DraftConfig) -> None:
+    """The block-wise causal attention (model/mla.py) saves q, k, v, out and lse, no [heads, T, T]
+    scores: doubling T doubles the saved activations, and nothing saved is T x T."""
     cfg = ObjectiveConfig(STEPS, 0.8, 1 << 27)
     short, long = (measure_step(meta_objective(tiny_cfg, cfg, torch.bfloat16), meta_batch(tiny_cfg, 1, T), STEPS)
                    for T in (2048, 4096))
-    assert 3.0 < long.saved_bytes / short.saved_bytes < 4.0
-    shape, count = short.largest_saved[0]["shape"], short.largest_saved[0]["count"]
-    assert shape == [1, tiny_cfg.num_attention_heads, 2048, 2048] and count == 2 * STEPS
+    assert long.saved_bytes / short.saved_bytes == pytest.approx(2.0, rel=0.02)
+    assert all(r["shape"].count(2048) <= 1 for r in short.largest_saved)
 
 
 # ---- ZeRO stages ---------------------------------------------------------------------------------

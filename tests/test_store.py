@@ -1,4 +1,4 @@
-"""The shard contract (dump/store.py) on real Zarr stores on disk, with small random data."""
+"""The shard contract (store/) on real Zarr stores on disk, with small random data."""
 from __future__ import annotations
 
 import json
@@ -19,7 +19,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from dump.store import (
+from infra import CONF_DIR, REPO_ROOT
+from store import (
     AUX,
     SHARDS_DIR,
     STORE_META,
@@ -36,7 +37,6 @@ from dump.store import (
     rank_of,
     verifier_identity,
 )
-from model.paths import REPO_ROOT
 
 H, N_AUX, VOCAB = 32, 3, 1000
 AUX_IDS = [2, 4, 5]
@@ -47,7 +47,7 @@ SAMPLE_BYTES = 12 * (N_AUX * H * 2 + H * 2 + 5)  # a sample of 12 tokens, bf16 m
 
 def storage(name: str = "lossless", **overrides: Any) -> dict[str, Any]:
     """The shipped conf/store/<name>.yaml, with small chunks and shards for small data."""
-    with initialize_config_dir(config_dir=str(REPO_ROOT / "conf/store"), version_base=None):
+    with initialize_config_dir(config_dir=str(CONF_DIR / "store"), version_base=None):
         cfg = OmegaConf.to_container(compose(config_name=name))
     assert isinstance(cfg, dict)
     cfg.update({"target_chunk_bytes": 2048, "shard_bytes": 4 * SAMPLE_BYTES, **overrides})

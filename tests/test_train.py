@@ -18,10 +18,9 @@ import pytest
 import torch
 
 import train.loop as loop
-from dump.store import StoreMismatchError, StoreWriter, verifier_identity
+from infra import REPO_ROOT, compose_config
 from model.checkpoint import load_draft
-from model.paths import REPO_ROOT
-from model.config import compose_config
+from store import StoreMismatchError, StoreWriter, verifier_identity
 from train.engine import COMPLETE, NonFiniteLossError, complete_checkpoints, consolidated_checkpoint_state
 from train.metrics import read_jsonl
 from train.objective import Eagle3Objective, ObjectiveOutput

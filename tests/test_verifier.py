@@ -12,9 +12,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer, DeepseekV3ForCausalLM
 
-from dump.conversations import load_conversations
-from model.verifier import hf_config_dict
-from model.verifier.build import evaluate, tokenize_until
+from data.conversations import load_conversations
+from infra import CONF_DIR
+from tools.build_verifier import evaluate, hf_config_dict, tokenize_until
 
 SPECIAL = ["[BOS]", "[EOS]", "[PAD]", "[UNK]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>",
            "<|im_system|>", "<|im_middle|>"]
@@ -54,7 +54,7 @@ def test_tokenizer_has_kimi_control_tokens(tokenizer) -> None:
 
 
 def test_tokenizer_round_trips_real_sharegpt_text(tokenizer, kimi_tiny_cfg: DictConfig) -> None:
-    data = OmegaConf.load(Path(__file__).parents[1] / "conf/data/sharegpt.yaml")
+    data = OmegaConf.load(CONF_DIR / "data/sharegpt.yaml")
     for conv in islice(load_conversations(data, "heldout"), 20):
         for message in conv.messages:
             ids = tokenizer(message.content, add_special_tokens=False)["input_ids"]

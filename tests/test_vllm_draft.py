@@ -24,10 +24,10 @@ import pytest
 import torch
 from omegaconf import DictConfig
 
+from evaluation.speculative import speculative_engine
 from model.checkpoint import draft_config_json, engine_captures, export_draft, load_draft
 from model.draft import DraftConfig, Eagle3Draft, build_draft, compose_draft_conf
 from model.vocab import build_draft_vocab, count_tokens
-from train.speculative import speculative_engine
 
 pytestmark = pytest.mark.vllm
 

@@ -22,12 +22,14 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-import model  # noqa: F401  (offline/cache environment first)
+import infra
+
+infra.configure_environment()  # offline hubs, caches in the repo: before transformers loads
 
 logger = logging.getLogger("train")
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="train")
+@hydra.main(version_base=None, config_path=str(infra.CONF_DIR), config_name="train")
 def train_main(cfg: DictConfig) -> None:
     from train.engine import NonFiniteLossError
     from train.loop import fit

@@ -1,4 +1,4 @@
-"""Packed training rows from the dump's store, read through dump/store.py's StoreReader only.
+"""Packed training rows from the dump's store, read through the store package's StoreReader only.
 
 A row concatenates whole samples (each cut to `max_len` tokens) up to `max_len` tokens:
 
@@ -23,7 +23,7 @@ micro-step m takes rows s*R + (m*world_size + r)*micro_batch + j. The stream dep
 the store and the seed, so a resumed run picks it up at its step without reading anything
 before, and 1 rank with grad_accum 2 sees the same rows per step as 2 ranks with grad_accum 1.
 
-Split. A sample is held out for evaluation when `dump.conversations.is_held_out` says so for
+Split. A sample is held out for evaluation when `data.conversations.is_held_out` says so for
 its conversation (ShareGPT parts "id_3" count as "id", as the dump's own split does), with the
 fraction and seed of conf/train.yaml: stable whatever the store's order or size.
 """
@@ -40,10 +40,10 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from dump.conversations import is_held_out, sharegpt_split_key
-from dump.store import LEGACY_AUX_CAPTURE, SampleRef, StoreMismatchError, StoreReader, verifier_identity
-from model.checkpoint import to_vllm_aux_ids
+from data.conversations import is_held_out, sharegpt_split_key
+from model.aux_ids import to_vllm_aux_ids
 from model.draft import DraftConfig
+from store import LEGACY_AUX_CAPTURE, SampleRef, StoreMismatchError, StoreReader, verifier_identity
 
 Batch = dict[str, Tensor]
 PAD_SEGMENT = -1

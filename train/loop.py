@@ -23,17 +23,17 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from infra import resolve
+from model.card import SUMMARY, write_card
 from model.checkpoint import draft_config_json, export_draft, init_from_draft
 from model.draft import DraftConfig, build_draft
-from model.paths import resolve
 from model.verifier import verifier_dir
 from model.verifier_weights import read_token_ids, read_verifier_head
 from model.vocab import build_draft_vocab, count_tokens
 from train import engine as E
-from train.card import SUMMARY, write_card
 from train.batches import (PackedRows, StoreSplit, check_store, iterate_token_masks, make_loader,
                            rank_rows, to_device)
-from train.evaluate import evaluate
+from train.heldout import evaluate
 from train.metrics import RunLog, step_metrics
 from train.objective import Eagle3Objective, ObjectiveConfig, StepStats
 

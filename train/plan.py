@@ -368,7 +368,7 @@ def split_plan_overrides(overrides: list[str]) -> tuple[list[str], dict[str, Any
 
 
 def plan_from_overrides(overrides: list[str], world_size: int) -> MemoryPlan:
-    from model.config import compose_config
+    from infra import compose_config
 
     cfg = compose_config("train", overrides)
     return memory_plan(DraftConfig.from_conf(cfg.draft), spec_from_cfg(cfg, world_size), str(cfg.draft.name))

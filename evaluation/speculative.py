@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
-from train.accept import AcceptCounts
+from evaluation.accept import AcceptCounts
 
 if TYPE_CHECKING:
     from vllm.platforms.interface import Platform
@@ -108,7 +108,7 @@ def speculative_engine(verifier_dir: Path, engine_cfg: DictConfig, draft_dir: Pa
                    max_model_len=max_model_len)
     if any(llm.collective_rpc(_patch_expand)):
         logger.warning("vLLM's CPU expand_kernel returns garbage for float inputs (sampled requests' "
-                       "temperature / top-p): replaced in the workers by train.speculative.expand_tokens_impl")
+                       "temperature / top-p): replaced in the workers by evaluation.speculative.expand_tokens_impl")
     return llm
 
 

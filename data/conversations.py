@@ -3,7 +3,8 @@
 Every reader streams (files can be far larger than memory would like), validates each
 record and yields `Conversation`s. A bad record either stops the read with a
 `RecordError` that says where it is and what is wrong (on_error="raise"), or is counted
-in a `ReadStats` and passed over (on_error="skip").
+in a `ReadStats` and passed over (on_error="skip"). Parsing the files into raw records is
+data/records.py's job.
 """
 
 from __future__ import annotations
@@ -16,13 +17,12 @@ import itertools
 import json
 import logging
 import pathlib
-import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any, BinaryIO, Literal
+from typing import Any, Literal
 
-import ijson
+from data.records import _Invalid, _Raw, _raw_records
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +51,6 @@ HUMANEVAL_INSTRUCTION = (
 )
 
 _MAX_LOGGED_SKIPS = 10
-# ijson gets the file a line at a time, cut to pieces of at most this size so that a
-# file written on one line does not come into memory whole.
-_PIECE_BYTES = 1 << 16
-_WHITESPACE = b" \t\r\n"
-# A JSON string never holds an unescaped quote, so this only matches a real "id" key.
-_ID_KEY = re.compile(rb'"id"\s*:\s*"((?:[^"\\]|\\.)*)"')
 
 
 @dataclass(frozen=True)
@@ -110,25 +104,6 @@ class ReadStats:
         if self.trimmed:
             text += f", {self.trimmed} began with assistant turns that were dropped"
         return text
-
-
-class _Invalid(Exception):
-    """Raised inside the readers; the read loop turns it into a RecordError."""
-
-    def __init__(self, reason: str, detail: str | None = None) -> None:
-        super().__init__(detail or reason)
-        self.reason = reason
-        self.detail = detail or reason
-
-
-@dataclass(frozen=True)
-class _Raw:
-    """One record as parsed from the file, before validation."""
-
-    line: int
-    fallback_id: str  # used when the record has no "id"
-    value: Any = None
-    problem: _Invalid | None = None  # set when the record could not even be parsed
 
 
 # ---------------------------------------------------------------- public readers
@@ -300,107 +275,6 @@ def _read_records(
     if skipped_here:
         reasons = ", ".join(f"{r}: {n}" for r, n in skipped_here.most_common())
         logger.warning("skipped %d records of %s (%s)", skipped_here.total(), path.name, reasons)
-
-
-def _raw_records(path: pathlib.Path) -> Iterator[_Raw]:
-    with open(path, "rb") as f:
-        first = _first_byte(f)
-    if first == b"[":
-        return _array_records(path)
-    return _jsonl_records(path)
-
-
-def _first_byte(f: BinaryIO) -> bytes:
-    while chunk := f.read(_PIECE_BYTES):
-        stripped = chunk.lstrip(_WHITESPACE)
-        if stripped:
-            return stripped[:1]
-    return b""
-
-
-def _jsonl_records(path: pathlib.Path) -> Iterator[_Raw]:
-    with open(path, "rb") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip(_WHITESPACE):
-                continue
-            fallback_id = f"{path.stem}:{line_number}"
-            try:
-                value = json.loads(line)
-            except ValueError as e:  # also catches bytes that are not UTF-8
-                problem = _Invalid("bad json", f"bad json: {e}")
-                yield _Raw(line_number, fallback_id, problem=problem)
-                continue
-            yield _Raw(line_number, fallback_id, value)
-
-
-def _array_records(path: pathlib.Path) -> Iterator[_Raw]:
-    """The items of a top-level JSON array, streamed, each with the line it starts on.
-
-    ijson is fed one line (or piece of a long line) at a time, so the items it finishes
-    after a piece are known to end on that piece's line. A record is given the first line
-    after the previous record with anything but separators on it: exact when records
-    start on lines of their own (pretty-printed arrays) or all share one line.
-
-    A syntax error ends the array: nothing after it can be trusted. So does a file that
-    stops before the closing bracket, as the packaged ShareGPT file does in the middle of
-    its last record.
-    """
-    items = ijson.sendable_list()
-    parser = ijson.items_coro(items, "item", use_float=True)
-    index = 0
-    line = 1
-    start: int | None = None  # line of the record being parsed, once it has begun
-    pending_id: str | None = None  # that record's id, if seen, to name it when truncated
-    with open(path, "rb") as f:
-        for piece in _pieces(f):
-            if start is None and piece.strip(_WHITESPACE + b",["):
-                start = line
-            failure = _send(parser, piece)  # items finished by this piece land in `items`
-            for value in items:
-                yield _Raw(start or line, f"{path.stem}#{index}", value)
-                index += 1
-            if items:
-                del items[:]
-                start, pending_id = None, None
-            elif start is not None and pending_id is None:
-                pending_id = _id_in(piece)
-            if failure is not None:
-                problem = _Invalid("bad json", f"bad json: {failure}")
-                # The partial record is given as {"id": ...} so that the error can name it.
-                yield _Raw(start or line, f"{path.stem}#{index}", {"id": pending_id}, problem)
-                return
-            if piece.endswith(b"\n"):
-                line += 1
-    try:
-        parser.close()
-    except (ijson.JSONError, ValueError):
-        detail = "truncated/incomplete JSON: the file ends before its array is closed"
-        problem = _Invalid("truncated json", detail)
-        yield _Raw(start or line, f"{path.stem}#{index}", {"id": pending_id}, problem)
-
-
-def _send(parser: Any, piece: bytes) -> str | None:
-    """Feed the parser; the parse error, on one line, if the piece holds one."""
-    try:
-        parser.send(piece)
-    except (ijson.JSONError, ValueError) as e:  # ValueError: bytes that are not UTF-8
-        return " ".join(str(e).split())
-    return None
-
-
-def _pieces(f: BinaryIO) -> Iterator[bytes]:
-    while piece := f.readline(_PIECE_BYTES):
-        yield piece
-
-
-def _id_in(piece: bytes) -> str | None:
-    match = _ID_KEY.search(piece)
-    if match is None:
-        return None
-    try:
-        return json.loads(b'"' + match.group(1) + b'"')
-    except ValueError:
-        return None
 
 
 def _detect_format(path: pathlib.Path) -> Literal["sharegpt", "messages"]:

@@ -8,7 +8,7 @@ it predicts (the stored final hidden state through the verifier's lm_head):
 - greedy: agree[t, k] = draft argmax == verifier argmax; `decode_walk` replays greedy decoding
   over every answer (a maximal run of loss-masked tokens), which is vLLM's count on that text;
   `chains` averages over every chain position of the answers instead (no replay).
-- sampled: alpha[t, k] at a temperature and top-p (train/accept.py), averaged over the chain
+- sampled: alpha[t, k] at a temperature and top-p (evaluation/accept.py), averaged over the chain
   positions of the answers: an expectation, not a replay.
 
 Logits exist for `chunk` positions at a time, so Kimi's 163,840-token vocabulary fits.
@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dump.store import Sample, StoreReader
+from evaluation.accept import (AcceptCounts, acceptance_probability, decode_walk, expected_counts,
+                               leading_run, sampling_probs)
 from model.draft import Eagle3Draft
-from train.accept import (AcceptCounts, acceptance_probability, decode_walk, expected_counts,
-                          leading_run, sampling_probs)
+from store import Sample, StoreReader
 from train.batches import collate_rows, pack_row
 from train.objective import draft_chain
 

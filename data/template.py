@@ -15,7 +15,7 @@ from typing import Literal
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from dump.conversations import Conversation
+from data.conversations import Conversation
 
 OverLong = Literal["truncate", "drop"]
 

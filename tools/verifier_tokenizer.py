@@ -2,11 +2,17 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from model.verifier import chat_template
+CHAT_TEMPLATE_PATH = Path(__file__).with_name("kimi_chat_template.jinja")
+
+
+def chat_template() -> str:
+    """Kimi's chat format as a Jinja template (the one tokenizer_config.json carries)."""
+    return CHAT_TEMPLATE_PATH.read_text()
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int,

@@ -1,4 +1,5 @@
-"""`make verifier`: train kimi-tiny (tokenizer + DeepSeek-V3 model) on ShareGPT and write its folder.
+"""`make verifier` (`python -m tools.build_verifier`): train kimi-tiny (tokenizer + DeepSeek-V3 model)
+on ShareGPT and write its folder, model/verifier/kimi_tiny.
 
 The folder (config.json, model.safetensors in bf16, tokenizer, generation_config.json, README.md
 model card, training_log.json) is written to a staging folder and renamed into place at the end,
@@ -13,17 +14,30 @@ import time
 from collections.abc import Iterator
 from itertools import islice
 from pathlib import Path
+from typing import Any
 
-import hydra
-import torch
-from omegaconf import DictConfig, OmegaConf
-from tqdm import tqdm
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, PreTrainedTokenizerFast
+import infra
 
-from dump.conversations import Conversation, ReadStats, load_conversations
-from model.verifier import hf_config_dict, verifier_dir
-from model.verifier.card import write_model_card
-from model.verifier.tokenizer import train_tokenizer
+infra.configure_environment()  # offline hubs, caches in the repo: before transformers loads below
+
+import hydra  # noqa: E402
+import torch  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+
+from data.conversations import Conversation, ReadStats, load_conversations  # noqa: E402
+from model.verifier import verifier_dir  # noqa: E402
+from tools.verifier_card import write_model_card  # noqa: E402
+from tools.verifier_tokenizer import train_tokenizer  # noqa: E402
+
+
+def hf_config_dict(cfg: DictConfig) -> dict[str, Any]:
+    """The verifier's architecture (conf/verifier `architecture`) as a Hugging Face config dict (the
+    keys vLLM reads too)."""
+    arch = OmegaConf.to_container(cfg.architecture, resolve=True)
+    assert isinstance(arch, dict)
+    return arch
 
 
 def conversation_text(conv: Conversation) -> Iterator[str]:
@@ -143,7 +157,7 @@ def save_verifier(model: DeepseekV3ForCausalLM, tokenizer: PreTrainedTokenizerFa
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
-@hydra.main(version_base=None, config_path="../../conf", config_name="build_verifier")
+@hydra.main(version_base=None, config_path=str(infra.CONF_DIR), config_name="build_verifier")
 def main(cfg: DictConfig) -> None:
     torch.manual_seed(cfg.seed)
     if cfg.training.threads:

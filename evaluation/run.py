@@ -1,4 +1,4 @@
-"""`python -m train.eval draft_dir=<folder>` (`make eval DRAFT=<folder>`): accept length per category.
+"""`python -m evaluation draft_dir=<folder>` (`make eval DRAFT=<folder>`): accept length per category.
 
 1. Prompts: the first user turn of the first `num_prompts` conversations of each category's
    split (conf/eval.yaml), rendered with the verifier's chat template.
@@ -7,7 +7,7 @@
 3. Shards: the verifier's hidden states over prompt + answer (the very tokens vLLM produced,
    greedy and sampled) are dumped through stage 1's capture into <run>/stores/<category>/<mode>.
 4. Simulated: the draft replays greedy decoding on the greedy shards and gives the expected
-   acceptance on the sampled ones (train/simulate.py); no vLLM involved.
+   acceptance on the sampled ones (evaluation/simulate.py); no vLLM involved.
 5. Report: table on the console, eval.json, acceptance.png in the run folder; the table goes into
    the draft's README.md (model card).
 """
@@ -20,20 +20,17 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import hydra
 import numpy as np
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-import model  # noqa: F401  (offline/cache environment first)
-from dump.conversations import Conversation, load_conversations
-from dump.template import as_chat, prompt_ids
-from model.paths import resolve
+from data.conversations import Conversation, load_conversations
+from data.template import as_chat, prompt_ids
+from infra import resolve
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-logger = logging.getLogger("train.eval")
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +81,8 @@ def load_categories(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase) -> list
 
 def check_draft(draft_dir: Path, cfg: DictConfig) -> None:
     """Refuse a draft made for another verifier before any engine starts."""
-    from model.checkpoint import CONFIG_FILE, to_vllm_aux_ids
+    from model.aux_ids import to_vllm_aux_ids
+    from model.checkpoint import CONFIG_FILE
 
     path = draft_dir / CONFIG_FILE
     if not path.exists():
@@ -103,7 +101,7 @@ def check_draft(draft_dir: Path, cfg: DictConfig) -> None:
 def measure_real(cfg: DictConfig, categories: list[Category], verifier: Path, draft_dir: Path,
                  stop: list[int]) -> dict[str, dict[str, Any]]:
     from dump.engine import shutdown_llm
-    from train.speculative import run_prompts, speculative_engine
+    from evaluation.speculative import run_prompts, speculative_engine
 
     K = int(cfg.num_speculative_tokens)
     llm = speculative_engine(verifier, cfg.engine, draft_dir, K, cfg.draft_sample, int(cfg.max_len))
@@ -126,10 +124,10 @@ def measure_real(cfg: DictConfig, categories: list[Category], verifier: Path, dr
 def dump_texts(cfg: DictConfig, categories: list[Category], runs: dict[str, dict[str, Any]],
                verifier: Path, run_dir: Path) -> dict[str, dict[str, Path]]:
     """Stage 1's capture over prompt + each answer vLLM produced: <run>/stores/<category>/<mode>."""
+    from data.template import TokenizedSample
     from dump.capture import HiddenStateCapture, capture_spec, start_capture_engine
     from dump.engine import shutdown_llm
     from dump.pipeline import batched, open_writer, write_batch
-    from dump.template import TokenizedSample
 
     stores: dict[str, dict[str, Path]] = {}
     spec = capture_spec(cfg.verifier)
@@ -165,10 +163,10 @@ def simulate_all(cfg: DictConfig, stores: dict[str, dict[str, Path]], verifier: 
     """Per category: greedy replay on the greedy texts; the sampled expectation on the sampled texts."""
     import torch
 
-    from dump.store import StoreReader
+    from evaluation.simulate import Sampling, simulate_store
     from model.checkpoint import load_draft
     from model.verifier_weights import read_verifier_head
-    from train.simulate import Sampling, simulate_store
+    from store import StoreReader
 
     if cfg.simulate.threads:
         torch.set_num_threads(int(cfg.simulate.threads))
@@ -191,9 +189,9 @@ def simulate_all(cfg: DictConfig, stores: dict[str, dict[str, Path]], verifier: 
 def evaluate_draft(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
+    from evaluation import report
+    from model.card import run_summary, write_card
     from model.verifier import verifier_dir
-    from train import report
-    from train.card import run_summary, write_card
 
     draft_dir = resolve(cfg.draft_dir)
     check_draft(draft_dir, cfg)
@@ -227,14 +225,3 @@ def evaluate_draft(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                    run_summary(draft_dir), text)
     return out
 
-
-@hydra.main(version_base=None, config_path="../conf", config_name="eval")
-def main(cfg: DictConfig) -> None:
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    out = evaluate_draft(cfg, run_dir)
-    print(f"\naccept length of {out['draft_dir']} (topk 1, {out['num_speculative_tokens']} drafts; ceiling "
-          f"{out['num_speculative_tokens'] + 1}):\n{out['table']}\nreport: {run_dir / 'eval.json'}")
-
-
-if __name__ == "__main__":
-    main()

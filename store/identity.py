@@ -1,0 +1,157 @@
+"""What a store was written with, and who may add to it: the verifier's identity, the aux capture
+mode, store.json, and the check that refuses a writer or trainer of other settings
+(`StoreMismatchError`)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from store.durable import _fsync_dir, _write_json_durably
+from store.format import (AUX, FINAL, FORMAT_VERSION, INPUT_IDS, LOSS_MASK, STORE_META, StorageSettings,
+                          _LOGICAL_DTYPES, _plain)
+
+logger = logging.getLogger(__name__)
+
+# What the hidden state of an aux id is (conf/verifier `aux_capture`): residual_stream, the
+# DeepSeek-V3 hidden + residual entering layer k (Kimi-K2, kimi-tiny); for Kimi-K3, whose blocks
+# keep a prefix sum of their layers' outputs, prefix_only (that prefix sum: vLLM's default, what
+# EAGLE-3 drafts are served with) or attn_res_stream (the AttnRes-mixed stream). A draft trained
+# on one and served with another loses most of its acceptance, so a store records it.
+AUX_CAPTURES = ("residual_stream", "prefix_only", "attn_res_stream")
+# Stores written before store.json named the capture were all of DeepSeek-V3 verifiers.
+LEGACY_AUX_CAPTURE = "residual_stream"
+
+# config.json keys that change with the tool that saved the checkpoint, not with the model.
+_VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path")
+# Files that define how text becomes token ids (Kimi ships tiktoken.model and Python code).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json",
+                    "merges.txt", "tokenizer_config.json", "special_tokens_map.json",
+                    "chat_template.jinja")
+
+
+class StoreMismatchError(ValueError):
+    """The store was written with another verifier, aux layers, storage mode or format."""
+
+
+def verifier_identity(checkpoint: str | Path, name: str) -> dict[str, Any]:
+    """What makes hidden states comparable: hashes of the config and tokenizer, and the shapes."""
+    folder = Path(checkpoint)
+    config = json.loads((folder / "config.json").read_text())
+    text = config.get("text_config", config)  # multimodal checkpoints nest the language model
+    return {
+        "name": name,
+        "config_sha256": _sha256_json({k: v for k, v in config.items()
+                                       if k not in _VOLATILE_CONFIG_KEYS}),
+        "tokenizer_sha256": _tokenizer_sha256(folder),
+        "hidden_size": int(text["hidden_size"]),
+        "vocab_size": int(text["vocab_size"]),
+        "num_hidden_layers": int(text["num_hidden_layers"]),
+    }
+
+
+def _sha256_json(value: Any) -> str:
+    # Canonical JSON: the same config saved with other indentation or key order hashes the same.
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+def _tokenizer_sha256(folder: Path) -> str:
+    files = [folder / n for n in _TOKENIZER_FILES] + sorted(folder.glob("tokenization_*.py"))
+    present = [f for f in files if f.is_file()]
+    if not present:
+        raise FileNotFoundError(f"no tokenizer files ({', '.join(_TOKENIZER_FILES)}) in {folder}")
+    digest = hashlib.sha256()
+    for path in present:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def check_aux_capture(aux_capture: str) -> str:
+    """The capture mode, refused unless one of AUX_CAPTURES."""
+    if aux_capture not in AUX_CAPTURES:
+        raise ValueError(f"aux capture {aux_capture!r}: use one of {AUX_CAPTURES}")
+    return str(aux_capture)
+
+
+def aux_capture_of(meta: Mapping[str, Any]) -> str:
+    """The capture mode a store.json (or a shard's attributes) records; legacy ones have none."""
+    return str(meta.get("aux_capture", LEGACY_AUX_CAPTURE))
+
+
+def _store_meta(identity: Mapping[str, Any], aux_layer_ids: Sequence[int], aux_convention: str,
+                aux_capture: str, storage: StorageSettings, dump_cfg: Any) -> dict[str, Any]:
+    return {
+        "format_version": FORMAT_VERSION,
+        "verifier": dict(_plain(identity)),
+        "aux_layer_ids": [int(i) for i in _plain(aux_layer_ids)],
+        "aux_convention": str(aux_convention),
+        "aux_capture": check_aux_capture(aux_capture),
+        "storage": asdict(storage),
+        "dtypes": {AUX: _LOGICAL_DTYPES[(AUX, storage.mode)],
+                   FINAL: _LOGICAL_DTYPES[(FINAL, storage.mode)],
+                   INPUT_IDS: "int32", LOSS_MASK: "bool"},
+        "checksum": "crc32c",
+        "dump": _plain(dump_cfg) if dump_cfg is not None else {},
+    }
+
+
+def _compatibility(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields two writers of one store must agree on (names may differ, hashes may not)."""
+    verifier = meta["verifier"]
+    keys = ("config_sha256", "tokenizer_sha256", "hidden_size", "vocab_size", "num_hidden_layers")
+    return {
+        "format_version": meta["format_version"],
+        **{f"verifier.{k}": verifier.get(k) for k in keys},
+        "aux_layer_ids": list(meta["aux_layer_ids"]),
+        "aux_convention": meta["aux_convention"],
+        "aux_capture": aux_capture_of(meta),
+        "storage.mode": meta["storage"]["mode"],
+    }
+
+
+def _mismatches(found: Mapping[str, Any], wanted: Mapping[str, Any]) -> list[str]:
+    have, want = _compatibility(found), _compatibility(wanted)
+    return [f"{key}: store has {have[key]!r}, this run has {want[key]!r}"
+            for key in have if have[key] != want[key]]
+
+
+def _create_or_check_meta(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """store.json: created by the first rank (hard link: atomic, never overwrites), else checked."""
+    target = path / STORE_META
+    if not target.exists():
+        tmp = path / f".{STORE_META}.{uuid.uuid4().hex}.tmp"
+        _write_json_durably(tmp, meta)
+        try:
+            os.link(tmp, target)
+            _fsync_dir(path)
+        except FileExistsError:
+            pass  # another rank was first; its store.json is checked below
+        finally:
+            tmp.unlink()
+    existing = read_store_meta(path)
+    problems = _mismatches(existing, meta)
+    if problems:
+        raise StoreMismatchError(f"cannot write to store {path}: it was written with other "
+                                 f"settings ({'; '.join(problems)}); use a new store folder")
+    if existing["verifier"].get("name") != meta["verifier"].get("name"):
+        logger.warning("store %s: verifier named %r there, %r here (same hashes)", path,
+                       existing["verifier"].get("name"), meta["verifier"].get("name"))
+    return existing
+
+
+def read_store_meta(path: str | Path) -> dict[str, Any]:
+    """store.json of a store, checked for a format version this code reads."""
+    target = Path(path) / STORE_META
+    if not target.is_file():
+        raise FileNotFoundError(f"{path} is not a hidden-state store: {STORE_META} is missing")
+    meta = json.loads(target.read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise StoreMismatchError(f"store {path} has format version {meta.get('format_version')}; "
+                                 f"this code reads version {FORMAT_VERSION}")
+    return meta

@@ -1,0 +1,125 @@
+"""`python -m dump inspect <store>`: a store's counts, sizes, compression and the result of reading
+every chunk (`inspect_store`), and that report as lines for a terminal (`format_inspect`)."""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from store.durable import _all_manifests
+from store.format import CORRUPT_PREFIX, SHARDS_DIR, TMP_PREFIX
+from store.reader import _MAX_NAMED, ShardCorruptError, StoreReader
+
+
+def inspect_store(path: str | Path, verify: bool = True) -> dict[str, Any]:
+    """Counts, sizes and (unless verify=False) the result of reading every chunk and checking its
+    checksum; `format_inspect` prints it."""
+    reader = StoreReader(path)
+    entries = reader.shards()
+    tokens = sum(sum(e.num_tokens) for e in entries)
+    disk = _bytes_by_array(reader)
+    logical = _logical_bytes(reader)
+    on_disk = sum(disk.values())
+    hidden, n_aux = reader.hidden_size, len(reader.aux_layer_ids)
+    reference = (n_aux + 1) * hidden * 2  # bf16 aux + final, uncompressed: 4*H*2 for 3 aux layers
+    problems = reader.verify() if verify else None
+    rejected = {k: v for m in _all_manifests(reader.path) for k, v in m.rejected.items()}
+    return {
+        "path": str(reader.path),
+        "format_version": reader.meta["format_version"],
+        "verifier": reader.identity.get("name"),
+        "hidden_size": hidden,
+        "aux_layer_ids": reader.aux_layer_ids,
+        "aux_convention": reader.aux_convention,
+        "aux_capture": reader.aux_capture,
+        "mode": reader.mode,
+        "compressor": reader.meta["storage"]["compressor"],
+        "shards": len(entries),
+        "samples": len(reader),
+        "tokens": tokens,
+        "rejected": rejected,
+        "unfinished_shards": _hidden_shards(reader.path, TMP_PREFIX),
+        "quarantined_shards": _hidden_shards(reader.path, CORRUPT_PREFIX),
+        "bytes_on_disk": on_disk,
+        "bytes_on_disk_by_array": disk,
+        "bytes_per_token": on_disk / tokens if tokens else None,
+        "logical_bytes_per_token": logical / tokens if tokens else None,
+        "reference_bytes_per_token": reference,
+        "compression_ratio": logical / on_disk if on_disk else None,
+        "ratio_to_reference": reference * tokens / on_disk if on_disk else None,
+        "problems": None if problems is None else [str(p) for p in problems],
+    }
+
+
+def _hidden_shards(path: Path, prefix: str) -> list[str]:
+    return sorted(p.name for p in (path / SHARDS_DIR).glob(f"{prefix}*"))
+
+
+def _bytes_by_array(reader: StoreReader) -> dict[str, int]:
+    """Bytes on disk of each array's data files over all committed shards; every zarr.json is
+    counted under 'metadata'."""
+    sizes: Counter[str] = Counter()
+    for entry in reader.shards():
+        folder = reader.path / SHARDS_DIR / entry.name
+        for file in folder.rglob("*"):
+            if file.is_file():
+                key = "metadata" if file.name == "zarr.json" else file.relative_to(folder).parts[0]
+                sizes[key] += file.stat().st_size
+    return dict(sizes)
+
+
+def _logical_bytes(reader: StoreReader) -> int:
+    """Uncompressed bytes of the arrays in their storage dtypes, metadata-only reads."""
+    total = 0
+    for entry in reader.shards():
+        try:
+            total += sum(a.nbytes for a in reader._shard(entry.name).arrays.values())
+        except ShardCorruptError:
+            continue  # counted among the problems
+    return total
+
+
+def format_inspect(report: Mapping[str, Any]) -> str:
+    """The report of `inspect_store` as lines for a terminal."""
+    def per_token(key: str) -> str:
+        value = report[key]
+        return "n/a" if value is None else f"{value:,.1f} bytes"
+
+    lines = [
+        f"store         {report['path']} (format {report['format_version']})",
+        f"verifier      {report['verifier']}: H={report['hidden_size']}, aux layers "
+        f"{report['aux_layer_ids']} ({report['aux_convention']} convention, "
+        f"{report['aux_capture']} capture)",
+        f"storage       {report['mode']}, compressor {report['compressor']}",
+        f"contents      {report['shards']:,} shards, {report['samples']:,} samples, "
+        f"{report['tokens']:,} tokens, {len(report['rejected']):,} rejected",
+        f"on disk       {report['bytes_on_disk']:,} bytes = {per_token('bytes_per_token')}/token",
+        f"uncompressed  {per_token('logical_bytes_per_token')}/token in the storage dtypes: "
+        f"compression ratio {_ratio(report['compression_ratio'])}",
+        f"reference     {report['reference_bytes_per_token']:,} bytes/token ((n_aux+1)*H*2: bf16 aux "
+        f"+ final, uncompressed); reference / on disk = {_ratio(report['ratio_to_reference'])}",
+    ]
+    for array, nbytes in sorted(report["bytes_on_disk_by_array"].items()):
+        share = nbytes / report["tokens"] if report["tokens"] else 0
+        lines.append(f"  {array:16} {nbytes:>16,} bytes {share:12,.1f} bytes/token")
+    for sample_id, reason in list(report["rejected"].items())[:_MAX_NAMED]:
+        lines.append(f"rejected      {sample_id!r}: {reason}")
+    if report["unfinished_shards"]:
+        lines.append(f"unfinished    {len(report['unfinished_shards'])} shards being written or "
+                     f"left by a crash (removed when their rank resumes)")
+    if report["quarantined_shards"]:
+        lines.append(f"quarantined   {', '.join(report['quarantined_shards'])} (failed verification "
+                     "when adopted after a crash; their samples were written again)")
+    if report["problems"] is None:
+        lines.append("checksums     not verified")
+    elif report["problems"]:
+        lines.append(f"PROBLEMS      {len(report['problems'])}:")
+        lines += [f"  {p}" for p in report["problems"]]
+    else:
+        lines.append("checksums     every chunk and shard index verified: OK")
+    return "\n".join(lines)
+
+
+def _ratio(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"

@@ -1,0 +1,298 @@
+"""Reading a store: `StoreReader` (the only door of stage 2 to stage 1), its samples, and the
+verification of every shard's metadata and chunk checksums (`Problem`, `ShardCorruptError`)."""
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+
+from store.durable import ShardEntry, _all_manifests, _committed_shards, _nbytes_on_disk
+from store.format import (AUX, AUX_SCALE, FINAL, INPUT_IDS, LOSS_MASK, OFFSETS, SHARDS_DIR, decode_bf16,
+                          decode_fp8)
+from store.identity import _mismatches, aux_capture_of, read_store_meta
+
+# Readers keep this many shards' Zarr metadata open (a trainer touches shards at random).
+_OPEN_SHARDS = 64
+_MAX_NAMED = 10  # sample ids shown in one message
+
+
+class ShardCorruptError(RuntimeError):
+    """A shard's data cannot be read back: a checksum mismatch, a truncated file, bad metadata."""
+
+    def __init__(self, shard: str, array: str | None, sample_ids: Sequence[str], detail: str):
+        self.shard, self.array, self.sample_ids = shard, array, tuple(sample_ids)
+        where = f"shard {shard}" + (f", array {array}" if array else "")
+        super().__init__(f"{where}: {detail} (samples {_name_some(self.sample_ids)})")
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    shard: str
+    sample_id: str
+    index: int       # within the shard
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class Sample:
+    sample_id: str
+    input_ids: torch.Tensor  # [T] int64
+    loss_mask: torch.Tensor  # [T] bool
+    aux: torch.Tensor        # [T, n_aux, H]
+    final: torch.Tensor      # [T, H]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Something `verify` found wrong, with where it is and which samples it spoils."""
+
+    shard: str
+    array: str | None
+    sample_ids: tuple[str, ...]
+    message: str
+
+    def __str__(self) -> str:
+        where = f"shard {self.shard}" + (f", array {self.array}" if self.array else "")
+        return f"{where}: {self.message} (samples {_name_some(self.sample_ids)})"
+
+
+def _name_some(sample_ids: Sequence[str]) -> str:
+    shown = ", ".join(repr(s) for s in sample_ids[:_MAX_NAMED])
+    more = len(sample_ids) - _MAX_NAMED
+    return shown + (f" and {more} more" if more > 0 else "") if sample_ids else "none known"
+
+
+class _OpenShard:
+    """A committed shard's Zarr group, arrays and offsets, opened for reading."""
+
+    def __init__(self, folder: Path):
+        self.name = folder.name
+        try:
+            group = zarr.open_group(str(folder), mode="r", zarr_format=3)
+            self.attributes = dict(group.attrs)
+            self.sample_ids: list[str] = list(self.attributes["sample_ids"])
+            self.arrays = {name: array for name, array in group.arrays()}
+        except Exception as error:  # metadata missing or not JSON: the whole shard is unreadable
+            raise ShardCorruptError(self.name, None, (), f"cannot open: {error!r}") from error
+        offsets = self.read(OFFSETS, slice(None), self.sample_ids)
+        self.offsets: np.ndarray = offsets.astype(np.int64)
+        if len(self.offsets) != len(self.sample_ids) + 1:
+            raise ShardCorruptError(self.name, OFFSETS, self.sample_ids,
+                                    f"{len(self.offsets)} offsets for {len(self.sample_ids)} samples")
+
+    def read(self, name: str, rows: slice, sample_ids: Sequence[str]) -> np.ndarray:
+        """array[rows]; a failed read (checksum, truncation, decompression) names the samples."""
+        if name not in self.arrays:
+            raise ShardCorruptError(self.name, name, sample_ids, "array is missing")
+        try:
+            return self.arrays[name][rows]
+        except Exception as error:
+            raise ShardCorruptError(self.name, name, sample_ids, f"cannot read: {error}") from error
+
+    def samples_in(self, start: int, stop: int) -> list[str]:
+        """Ids of the samples with tokens in [start, stop)."""
+        first = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        last = int(np.searchsorted(self.offsets, stop, side="left"))
+        return self.sample_ids[max(first, 0):last]
+
+
+def _entry_of(folder: Path) -> ShardEntry:
+    """A shard's manifest entry, read from the shard itself."""
+    shard = _OpenShard(folder)
+    return ShardEntry(name=folder.name, sample_ids=shard.sample_ids,
+                      num_tokens=np.diff(shard.offsets).tolist(), nbytes=_nbytes_on_disk(folder))
+
+
+def _store_index(path: Path) -> tuple[list[ShardEntry], list[Problem]]:
+    """Every committed shard, from the manifests or, for shards none lists yet, from the shard."""
+    listed = {s.name: s for m in _all_manifests(path) for s in m.shards}
+    entries, problems = [], []
+    for name in _committed_shards(path):
+        if name in listed:
+            entries.append(listed[name])
+            continue
+        try:
+            entries.append(_entry_of(path / SHARDS_DIR / name))
+        except ShardCorruptError as error:
+            problems.append(Problem(name, error.array, error.sample_ids, str(error)))
+    return entries, problems
+
+
+class StoreReader:
+    """The committed samples of a store, as torch tensors; the only door of stage 2 to stage 1."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.meta = read_store_meta(self.path)
+        self._entries, self._index_problems = _store_index(self.path)
+        self._refs = [SampleRef(entry.name, sample_id, i, tokens) for entry in self._entries
+                      for i, (sample_id, tokens) in enumerate(zip(entry.sample_ids, entry.num_tokens))]
+        self._open: OrderedDict[str, _OpenShard] = OrderedDict()
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        return self.meta["verifier"]
+
+    @property
+    def aux_layer_ids(self) -> list[int]:
+        return self.meta["aux_layer_ids"]
+
+    @property
+    def aux_convention(self) -> str:
+        return self.meta["aux_convention"]
+
+    @property
+    def aux_capture(self) -> str:
+        return aux_capture_of(self.meta)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.identity["hidden_size"])
+
+    @property
+    def mode(self) -> str:
+        return self.meta["storage"]["mode"]
+
+    @property
+    def dump_config(self) -> dict[str, Any]:
+        return self.meta["dump"]
+
+    def shards(self) -> list[ShardEntry]:
+        return list(self._entries)
+
+    def samples(self) -> list[SampleRef]:
+        """Every committed sample, in shard order."""
+        return list(self._refs)
+
+    def __len__(self) -> int:
+        return len(self._refs)
+
+    def __getitem__(self, i: int) -> Sample:
+        return self.read_sample(self._refs[i])
+
+    def read_sample(self, ref: SampleRef, dtype: torch.dtype = torch.bfloat16) -> Sample:
+        """One sample, hidden states decoded to `dtype`; ShardCorruptError names a bad shard."""
+        shard, rows = self._locate(ref)
+        input_ids, loss_mask = self._tokens(shard, rows, ref)
+        return Sample(ref.sample_id, input_ids, loss_mask, self._aux(shard, rows, ref, dtype),
+                      self._hidden(shard, FINAL, rows, ref).to(dtype))
+
+    def read_tokens(self, ref: SampleRef) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids [T] int64, loss_mask [T] bool) of a sample, without its hidden states."""
+        shard, rows = self._locate(ref)
+        return self._tokens(shard, rows, ref)
+
+    def _locate(self, ref: SampleRef) -> tuple[_OpenShard, slice]:
+        shard = self._shard(ref.shard)
+        if shard.sample_ids[ref.index] != ref.sample_id:
+            raise ShardCorruptError(ref.shard, None, [ref.sample_id], "the manifest and the shard "
+                                    f"disagree: sample {ref.index} is {shard.sample_ids[ref.index]!r}")
+        return shard, slice(int(shard.offsets[ref.index]), int(shard.offsets[ref.index + 1]))
+
+    def _tokens(self, shard: _OpenShard, rows: slice, ref: SampleRef
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = shard.read(INPUT_IDS, rows, [ref.sample_id]).astype(np.int64)
+        mask = shard.read(LOSS_MASK, rows, [ref.sample_id]).astype(bool)
+        return torch.from_numpy(ids), torch.from_numpy(mask)
+
+    def _aux(self, shard: _OpenShard, rows: slice, ref: SampleRef, dtype: torch.dtype
+             ) -> torch.Tensor:
+        if self.mode == "fp8":
+            codes = shard.read(AUX, rows, [ref.sample_id])
+            return decode_fp8(codes, shard.read(AUX_SCALE, rows, [ref.sample_id]), dtype)
+        return self._hidden(shard, AUX, rows, ref).to(dtype)
+
+    def _hidden(self, shard: _OpenShard, name: str, rows: slice, ref: SampleRef) -> torch.Tensor:
+        """A bf16 or fp32 hidden-state array's rows as a tensor of that dtype."""
+        stored = shard.read(name, rows, [ref.sample_id])
+        return torch.from_numpy(stored) if self.mode == "fp32" else decode_bf16(stored)
+
+    def _shard(self, name: str) -> _OpenShard:
+        if name in self._open:
+            self._open.move_to_end(name)
+            return self._open[name]
+        shard = _OpenShard(self.path / SHARDS_DIR / name)
+        self._open[name] = shard
+        if len(self._open) > _OPEN_SHARDS:
+            self._open.popitem(last=False)
+        return shard
+
+    def verify(self) -> list[Problem]:
+        """Read every chunk of every committed shard; what failed, where, and which samples."""
+        problems = list(self._index_problems) + _duplicates(self._entries)
+        for entry in self._entries:
+            problems += _verify_shard(self.path / SHARDS_DIR / entry.name, self.meta, entry)
+        return problems
+
+
+def _duplicates(entries: Sequence[ShardEntry]) -> list[Problem]:
+    counts = Counter(s for entry in entries for s in entry.sample_ids)
+    problems = []
+    for entry in entries:
+        twice = tuple(s for s in entry.sample_ids if counts[s] > 1)
+        if twice:
+            problems.append(Problem(entry.name, None, twice, "samples stored in more than one shard"))
+    return problems
+
+
+def _verify_shard(folder: Path, meta: Mapping[str, Any], entry: ShardEntry | None = None
+                  ) -> list[Problem]:
+    """Metadata against store.json, shapes against the offsets, and every chunk's checksum."""
+    try:
+        shard = _OpenShard(folder)
+    except ShardCorruptError as error:
+        ids = entry.sample_ids if entry else error.sample_ids
+        return [Problem(folder.name, error.array, tuple(ids), str(error))]
+    problems = _metadata_problems(shard, meta, entry)
+    for name in _expected_arrays(meta["storage"]["mode"]):
+        problems += _chunk_problems(shard, name)
+    return problems
+
+
+def _expected_arrays(mode: str) -> tuple[str, ...]:
+    return (INPUT_IDS, LOSS_MASK, AUX, FINAL, OFFSETS) + ((AUX_SCALE,) if mode == "fp8" else ())
+
+
+def _metadata_problems(shard: _OpenShard, meta: Mapping[str, Any], entry: ShardEntry | None
+                       ) -> list[Problem]:
+    every = tuple(shard.sample_ids)
+    try:
+        messages = [f"differs from store.json: {m}" for m in _mismatches(shard.attributes, meta)]
+    except KeyError as missing:
+        messages = [f"attribute {missing} is missing"]
+    if entry is not None and (entry.sample_ids != shard.sample_ids
+                              or entry.num_tokens != np.diff(shard.offsets).tolist()):
+        messages.append("the manifest's sample ids or token counts differ from the shard's")
+    tokens = int(shard.offsets[-1])
+    for name in _expected_arrays(meta["storage"]["mode"]):
+        rows = len(shard.offsets) if name == OFFSETS else tokens
+        array = shard.arrays.get(name)
+        if array is None:
+            messages.append(f"array {name} is missing")
+        elif array.shape[0] != rows:
+            messages.append(f"array {name} has {array.shape[0]} rows, the offsets say {rows}")
+    return [Problem(shard.name, None, every, m) for m in messages]
+
+
+def _chunk_problems(shard: _OpenShard, name: str) -> list[Problem]:
+    """Read the array a chunk at a time, so that a failure points at the samples it covers."""
+    array = shard.arrays.get(name)
+    if array is None:
+        return []
+    rows, problems = array.chunks[0], []
+    for start in range(0, array.shape[0], rows):
+        stop = min(start + rows, array.shape[0])
+        covered = shard.sample_ids if name == OFFSETS else shard.samples_in(start, stop)
+        try:
+            shard.read(name, slice(start, stop), covered)
+        except ShardCorruptError as error:
+            problems.append(Problem(shard.name, name, tuple(covered),
+                                    f"chunk of rows {start}:{stop} is unreadable: "
+                                    f"{error.__cause__ or error}"))
+    return problems

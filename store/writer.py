@@ -1,0 +1,334 @@
+"""Writing a store: `StoreWriter` commits one rank's samples a shard at a time and resumes after a
+crash; `dist_env` and `rank_of` say which rank this is and which samples it owns."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from store.durable import (Manifest, ShardEntry, _all_manifests, _committed_shards, _fsync_dir, _fsync_tree,
+                           _load_manifest, _lock_rank, _manifest_path, _nbytes_on_disk, _write_manifest)
+from store.format import (AUX, AUX_SCALE, CORRUPT_PREFIX, FINAL, FORMAT_VERSION, INPUT_IDS, LOSS_MASK,
+                          MANIFEST_DIR, OFFSETS, SHARDS_DIR, TMP_PREFIX, StorageSettings, _shard_index,
+                          _shard_rank, _write_shard, encode_bf16, encode_fp8, shard_name)
+from store.identity import LEGACY_AUX_CAPTURE, _create_or_check_meta, _store_meta
+from store.reader import Problem, ShardCorruptError, _entry_of, _store_index, _verify_shard
+
+logger = logging.getLogger(__name__)
+
+
+def dist_env(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
+    """(rank, world_size): the given values where set, else torchrun's RANK / WORLD_SIZE,
+    else SLURM's SLURM_PROCID / SLURM_NTASKS, else a single process (0, 1)."""
+    env = os.environ
+    for rank_key, size_key in (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")):
+        if rank_key in env and size_key in env:  # one launcher's pair, never a mix of two
+            env_rank, env_size = int(env[rank_key]), int(env[size_key])
+            break
+    else:
+        env_rank, env_size = 0, 1
+    rank = env_rank if rank is None else int(rank)
+    world_size = env_size if world_size is None else int(world_size)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+    return rank, world_size
+
+
+def rank_of(sample_id: str, world_size: int) -> int:
+    """The rank that owns a sample: a stable hash of its id, so ownership does not depend on the
+    order of the data nor on which samples an earlier run already wrote."""
+    digest = hashlib.blake2b(sample_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % world_size
+
+
+@dataclass
+class WriterStats:
+    samples: int = 0    # written (committed) by this writer
+    tokens: int = 0
+    bytes: int = 0      # on disk
+    shards: int = 0
+    rejected: dict[str, str] = field(default_factory=dict)  # sample id -> reason, this run
+    removed_tmp: list[str] = field(default_factory=list)    # unfinished shards of a crashed run
+    adopted: list[str] = field(default_factory=list)        # committed shards missing from the manifest
+    quarantined: list[str] = field(default_factory=list)    # such shards that failed verification
+
+
+@dataclass
+class _Pending:
+    sample_id: str
+    arrays: dict[str, np.ndarray]  # this sample's rows of the token arrays
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+
+class StoreWriter:
+    """Writes one rank's share of a store: `add` buffers samples, `commit_if_full` (called where
+    the caller allows a shard to end) and `close` commit them a shard at a time.
+
+    Reopening a store after a crash resumes it: this rank's unfinished shards are removed, its
+    committed shards missing from its manifest adopted, and `done_sample_ids()` says what to skip.
+    """
+
+    def __init__(self, path: str | Path, identity: Mapping[str, Any], aux_layer_ids: Sequence[int],
+                 storage_cfg: Mapping[str, Any], dump_cfg: Any = None, *, aux_convention: str,
+                 aux_capture: str = LEGACY_AUX_CAPTURE, rank: int | None = None,
+                 world_size: int | None = None):
+        self.path = Path(path)
+        self.rank, self.world_size = dist_env(rank, world_size)
+        self.storage = StorageSettings.from_cfg(storage_cfg)
+        for folder in (self.path, self.path / SHARDS_DIR, self.path / MANIFEST_DIR):
+            folder.mkdir(parents=True, exist_ok=True)
+        wanted = _store_meta(identity, aux_layer_ids, aux_convention, aux_capture, self.storage,
+                             dump_cfg)
+        self.meta = _create_or_check_meta(self.path, wanted)
+        self._lock = _lock_rank(self.path, self.rank)
+        # This run's settings go into its shards (the same as store.json where it matters).
+        self._shard_attributes = {k: v for k, v in wanted.items() if k != "format_version"}
+        self.hidden_size = int(wanted["verifier"]["hidden_size"])
+        self.vocab_size = int(wanted["verifier"]["vocab_size"])
+        self.num_aux = len(wanted["aux_layer_ids"])
+        self.stats = WriterStats()
+        self._manifest = self._recover()
+        self._done = _done_ids(self.path)
+        self._next_index = 1 + max((_shard_index(s.name) for s in self._manifest.shards), default=-1)
+        self._pending: list[_Pending] = []
+        self._pending_ids: set[str] = set()
+        self._pending_bytes = 0
+        self._closed = False
+
+    # -- resume ---------------------------------------------------------------------------------
+
+    def _recover(self) -> Manifest:
+        """This rank's manifest, made to agree with its committed shards on disk."""
+        self._remove_unfinished()
+        manifest = _load_manifest(self.path, self.rank)
+        on_disk = {n for n in _committed_shards(self.path) if _shard_rank(n) == self.rank}
+        listed = {s.name for s in manifest.shards}
+        lost = listed - on_disk
+        if lost:  # someone deleted shards: their samples are not done, redo them
+            logger.warning("store %s: shards %s are listed but missing; their samples will be "
+                           "written again", self.path, sorted(lost))
+            manifest.shards = [s for s in manifest.shards if s.name in on_disk]
+        for name in sorted(on_disk - listed):
+            self._adopt(manifest, name)
+        manifest.shards.sort(key=lambda s: s.name)
+        if lost or on_disk - listed or not _manifest_path(self.path, self.rank).exists():
+            _write_manifest(self.path, manifest)
+        return manifest
+
+    def _remove_unfinished(self) -> None:
+        """Shards this rank was writing when it died (other ranks may be writing theirs now)."""
+        for folder in (self.path / SHARDS_DIR).glob(f"{TMP_PREFIX}r{self.rank:05d}-*"):
+            shutil.rmtree(folder)
+            self.stats.removed_tmp.append(folder.name)
+        for tmp in (self.path / MANIFEST_DIR).glob(f".rank-{self.rank:05d}.json.*.tmp"):
+            tmp.unlink()
+
+    def _adopt(self, manifest: Manifest, name: str) -> None:
+        """A shard committed just before a crash, before the manifest caught up with it."""
+        folder = self.path / SHARDS_DIR / name
+        try:
+            entry = _entry_of(folder)
+            problems = _verify_shard(folder, self.meta)
+        except ShardCorruptError as error:
+            problems = [Problem(name, error.array, error.sample_ids, str(error))]
+        if problems:
+            quarantine = folder.with_name(f"{CORRUPT_PREFIX}{uuid.uuid4().hex[:8]}-{name}")
+            os.rename(folder, quarantine)
+            logger.error("store %s: shard %s failed verification (%s); moved to %s, its samples "
+                         "will be written again", self.path, name, problems[0], quarantine.name)
+            self.stats.quarantined.append(name)
+            return
+        manifest.shards.append(entry)
+        self.stats.adopted.append(name)
+
+    def done_sample_ids(self) -> set[str]:
+        """Samples a resumed dump must skip: committed by any rank, or rejected (they would be
+        rejected again), as of this writer's opening, plus the ones it committed or rejected since."""
+        return set(self._done)
+
+    def owns(self, sample_id: str) -> bool:
+        """Whether this rank writes the sample (`rank_of` its id)."""
+        return rank_of(sample_id, self.world_size) == self.rank
+
+    # -- writing --------------------------------------------------------------------------------
+
+    def add(self, sample_id: str, input_ids: torch.Tensor | np.ndarray,
+            loss_mask: torch.Tensor | np.ndarray, aux: torch.Tensor | np.ndarray,
+            final: torch.Tensor | np.ndarray) -> bool:
+        """Buffer a sample (input_ids [T], loss_mask [T], aux [T, n_aux, H], final [T, H]);
+        False when it is rejected for non-finite hidden states or no tokens. Nothing is written
+        until `commit_if_full` or `close`."""
+        if self._closed:
+            raise RuntimeError(f"store writer for {self.path} is closed")
+        self._check_new(sample_id)
+        ids, mask, aux_t, final_t = (torch.as_tensor(v) for v in (input_ids, loss_mask, aux, final))
+        self._check_shapes(sample_id, ids, mask, aux_t, final_t)
+        reason = _rejection(ids, aux_t, final_t)
+        if reason:
+            self._record_rejection(sample_id, reason)
+            return False
+        pending = _Pending(sample_id, self._encode(ids, mask, aux_t, final_t))
+        self._pending.append(pending)
+        self._pending_ids.add(sample_id)
+        self._pending_bytes += pending.nbytes
+        return True
+
+    def commit_if_full(self) -> bool:
+        """Commit the buffered samples as a shard once they reach storage.shard_bytes.
+
+        The caller chooses where shards may end: calling this only between batches of its work
+        means a resumed run restarts on a batch boundary and forms the same batches again.
+        """
+        if self._pending_bytes < self.storage.shard_bytes:
+            return False
+        self._commit()
+        return True
+
+    def bytes_per_token(self) -> float:
+        """Bytes on disk per token of the shards this writer committed (0 before the first)."""
+        return self.stats.bytes / self.stats.tokens if self.stats.tokens else 0.0
+
+    def _check_new(self, sample_id: str) -> None:
+        if not isinstance(sample_id, str):
+            raise TypeError(f"sample ids are strings, got {sample_id!r}")
+        if not self.owns(sample_id):
+            raise ValueError(f"sample {sample_id!r} belongs to rank "
+                             f"{rank_of(sample_id, self.world_size)}, not {self.rank}")
+        if sample_id in self._done or sample_id in self._pending_ids:
+            raise ValueError(f"sample {sample_id!r} is already in the store {self.path}")
+
+    def _check_shapes(self, sample_id: str, ids: torch.Tensor, mask: torch.Tensor,
+                      aux: torch.Tensor, final: torch.Tensor) -> None:
+        """A wrong shape is a bug of the caller, not a bad sample: raise."""
+        t, n, h = len(ids), self.num_aux, self.hidden_size
+        expected = {"input_ids": (t,), "loss_mask": (t,), "aux": (t, n, h), "final": (t, h)}
+        actual = {"input_ids": ids.shape, "loss_mask": mask.shape, "aux": aux.shape,
+                  "final": final.shape}
+        wrong = [f"{k} {tuple(actual[k])} (expected {v})" for k, v in expected.items()
+                 if tuple(actual[k]) != v]
+        if wrong:
+            raise ValueError(f"sample {sample_id!r}: {', '.join(wrong)}")
+        if t and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+            raise ValueError(f"sample {sample_id!r}: token ids outside [0, {self.vocab_size})")
+
+    def reject(self, sample_id: str, reason: str) -> None:
+        """Record a sample the caller could not use (a chat template failure, say): named in the
+        manifest with the next commit, and skipped by a resumed run like a written one."""
+        self._check_new(sample_id)
+        self._record_rejection(sample_id, reason)
+
+    def _record_rejection(self, sample_id: str, reason: str) -> None:
+        logger.warning("store %s: sample %r rejected: %s", self.path, sample_id, reason)
+        self.stats.rejected[sample_id] = reason
+        self._manifest.rejected[sample_id] = reason  # recorded with the next manifest write
+        self._done.add(sample_id)
+
+    def _encode(self, ids: torch.Tensor, mask: torch.Tensor, aux: torch.Tensor,
+                final: torch.Tensor) -> dict[str, np.ndarray]:
+        # Copies (the caller may reuse its buffers), as encode_bf16 and encode_fp8 make too.
+        arrays = {INPUT_IDS: ids.to("cpu", torch.int32, copy=True).numpy(),
+                  LOSS_MASK: mask.to("cpu", torch.bool, copy=True).numpy()}
+        if self.storage.mode == "fp32":
+            arrays[AUX] = aux.to("cpu", torch.float32, copy=True).numpy()
+            arrays[FINAL] = final.to("cpu", torch.float32, copy=True).numpy()
+            return arrays
+        if self.storage.mode == "fp8":
+            arrays[AUX], arrays[AUX_SCALE] = encode_fp8(aux)
+        else:
+            arrays[AUX] = encode_bf16(aux)
+        arrays[FINAL] = encode_bf16(final)
+        return arrays
+
+    def _commit(self) -> None:
+        """Write the buffered samples as one shard: tmp folder, fsync, rename, then manifest."""
+        name = shard_name(self.rank, self._next_index)
+        final_folder = self.path / SHARDS_DIR / name
+        tmp_folder = final_folder.with_name(TMP_PREFIX + name)
+        arrays = _concatenate(self._pending)
+        sample_ids = [p.sample_id for p in self._pending]
+        attributes = {"format_version": FORMAT_VERSION, "shard": name, "rank": self.rank,
+                      "sample_ids": sample_ids, **self._shard_attributes}
+        _write_shard(tmp_folder, arrays, attributes, self.storage)
+        _fsync_tree(tmp_folder)
+        os.rename(tmp_folder, final_folder)  # the commit point
+        _fsync_dir(final_folder.parent)
+        entry = ShardEntry(name, sample_ids, np.diff(arrays[OFFSETS]).tolist(),
+                           _nbytes_on_disk(final_folder))
+        self._manifest.shards.append(entry)
+        _write_manifest(self.path, self._manifest)
+        self._after_commit(entry)
+
+    def _after_commit(self, entry: ShardEntry) -> None:
+        self.stats.samples += len(entry.sample_ids)
+        self.stats.tokens += sum(entry.num_tokens)
+        self.stats.bytes += entry.nbytes
+        self.stats.shards += 1
+        self._done.update(entry.sample_ids)
+        self._next_index += 1
+        self._pending, self._pending_ids, self._pending_bytes = [], set(), 0
+
+    def close(self) -> WriterStats:
+        """Commit the last, partial shard and record rejections; the writer cannot add after."""
+        if self._closed:
+            return self.stats
+        if self._pending:
+            self._commit()
+        elif self.stats.rejected:
+            _write_manifest(self.path, self._manifest)
+        self._closed = True
+        self._lock.close()  # releases the rank's lock
+        return self.stats
+
+    def __enter__(self) -> StoreWriter:
+        return self
+
+    def __exit__(self, error_type: type[BaseException] | None, *_: object) -> None:
+        if error_type is None:
+            self.close()
+            return
+        # The caller failed between two of the points where it lets a shard end: leave the store
+        # as a crash would, so that a resumed run redoes exactly the uncommitted samples.
+        logger.warning("store %s: %d buffered samples not committed after %s", self.path,
+                       len(self._pending), error_type.__name__)
+        self._closed = True
+        self._lock.close()
+
+
+def _rejection(ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor) -> str | None:
+    """Why a sample cannot be stored, or None."""
+    if len(ids) == 0:
+        return "no tokens"
+    reasons = []
+    for name, values in (("aux", aux), ("final", final)):
+        bad = int((~torch.isfinite(values)).sum())
+        if bad:
+            reasons.append(f"{name} hidden states have {bad} non-finite values (NaN/Inf)")
+    return "; ".join(reasons) or None
+
+
+def _concatenate(pending: Sequence[_Pending]) -> dict[str, np.ndarray]:
+    arrays = {name: np.concatenate([p.arrays[name] for p in pending])
+              for name in pending[0].arrays}
+    lengths = [len(p.arrays[INPUT_IDS]) for p in pending]
+    arrays[OFFSETS] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    return arrays
+
+
+def _done_ids(path: Path) -> set[str]:
+    entries, _ = _store_index(path)
+    done = {sample_id for entry in entries for sample_id in entry.sample_ids}
+    for manifest in _all_manifests(path):
+        done.update(manifest.rejected)
+    return done
