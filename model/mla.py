@@ -12,8 +12,13 @@ attention:
 
 - `attention_reference`: keys concatenated to (k+1)T and an explicit [T, (k+1)T] mask;
 - `attention_ttt`: causal attention over K0 returning its log-sum-exp, merged with the k
-  per-position diagonal dot products by log-sum-exp. Memory is that of ordinary causal
-  attention (the [B, heads, T, T] scores of one step); no (k+1)T key tensor, no T x T x K mask.
+  per-position diagonal dot products by log-sum-exp; no (k+1)T key tensor, no T x T x K mask.
+
+The causal attention (`causal_attention_with_lse`) is exact and memory-efficient in plain
+PyTorch: it walks the queries block by block, each block against the keys up to its own end,
+and saves only q, k, v, its output and log-sum-exp; the backward recomputes each block's
+probabilities. Memory is O(block x T) per head for one step's scores, O(T) saved per step,
+instead of the [B, heads, T, T] scores and probabilities eager attention keeps for the backward.
 
 Packed rows: `segment_ids` [B, T] (int, one id per sample in the row; give padding an id no
 sample uses) keeps attention inside a sample; positions restart per sample in `positions`.
@@ -82,31 +87,129 @@ class TTTCache:
         return 1 + len(self.diag_k)
 
 
-def _same_segment_causal(segment_ids: Tensor | None, B: int, T: int, device: torch.device) -> Tensor:
-    """[B, 1, T, T] bool: query t may see key s (s <= t, same sample)."""
-    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+# A [B, heads, block, T] fp32 score tile is kept near this size (the forward holds one such tile,
+# the backward about three): at Kimi-K2's 64 heads and T 8192 that is 128 queries per block.
+TILE_BYTES = 256 * 2**20
+# Fewer queries per block would leave the GPU's matmuls too thin to be efficient.
+MIN_BLOCK = 64
+# More gains nothing: a longer block computes more of the masked triangle, and on CPUs its tile
+# falls out of cache (forward + backward at kimi-tiny shapes, T 2048: 128-256 queries per block
+# run ~2.7x faster than one block of 2048).
+MAX_BLOCK = 256
+
+
+def attention_block_size(B: int, heads: int, T: int, tile_bytes: int = TILE_BYTES) -> int:
+    """Queries per block: as many as keep a [B, heads, block, T] fp32 tile within tile_bytes, in
+    multiples of MIN_BLOCK, between MIN_BLOCK and MAX_BLOCK, and at most T."""
+    rows = tile_bytes // (B * heads * T * 4) // MIN_BLOCK * MIN_BLOCK
+    return min(T, max(MIN_BLOCK, min(MAX_BLOCK, rows)))
+
+
+def _hidden(segment_ids: Tensor | None, B: int, start: int, end: int, device: torch.device) -> Tensor:
+    """[B, 1, end - start, end] bool: True where query start + i may NOT see key s (s > start + i,
+    or another sample). The diagonal is always visible, so no query row is entirely hidden: a
+    padding position attends the padding before it, as eager attention over the same mask does."""
+    queries = torch.arange(start, end, device=device)[:, None]
+    future = torch.arange(end, device=device)[None, :] > queries                  # [n, end]
     if segment_ids is None:
-        return causal.expand(B, 1, T, T)
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]        # [B, T, T]
-    return (causal & same)[:, None]
+        return future.expand(B, 1, end - start, end)
+    other = segment_ids[:, start:end, None] != segment_ids[:, None, :end]         # [B, n, end]
+    return (future | other)[:, None]
+
+
+def _accumulation_dtype(x: Tensor) -> torch.dtype:
+    """fp32, or fp64 for fp64 inputs (what a float64 gradcheck needs)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _heads_first(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """[B, T, heads, d] -> [B, heads, T, d] in dtype, contiguous: batched matmuls over slices of T
+    then need no copy."""
+    return x.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
+
+
+def _blocks(T: int, block: int) -> list[tuple[int, int]]:
+    return [(start, min(start + block, T)) for start in range(0, T, block)]
+
+
+def _scores(q_blk: Tensor, k_pre: Tensor, scale: float, hidden: Tensor) -> Tensor:
+    """q_blk [B, h, n, dqk], k_pre [B, h, end, dqk] -> [B, h, n, end] scores, -inf where hidden."""
+    scores = torch.matmul(q_blk, k_pre.transpose(-1, -2)).mul_(scale)
+    return scores.masked_fill_(hidden, float("-inf"))
+
+
+class _CausalAttentionWithLse(torch.autograd.Function):
+    """Block-wise exact causal attention returning out and lse, both differentiable.
+
+    Saves q, k, v (as given), out and lse; the backward recomputes each block's probabilities P
+    from the saved lse. Gradients, with dO and dlse flowing in and D = rowsum(dO * O):
+    dP = dO V^T, dS = P * (dP - D + dlse), dq = scale dS K, dk = scale dS^T Q, dv = P^T dO."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, scale: float, segment_ids: Tensor | None,
+                block: int) -> tuple[Tensor, Tensor]:
+        B, T, h = q.shape[:3]
+        acc = _accumulation_dtype(q)
+        kf, vf = _heads_first(k, acc), _heads_first(v, acc)                      # [B, h, T, d]
+        out = torch.empty(B, T, h, v.shape[-1], dtype=acc, device=q.device)
+        lse = torch.empty(B, T, h, dtype=acc, device=q.device)
+        for start, end in _blocks(T, block):
+            hidden = _hidden(segment_ids, B, start, end, q.device)
+            q_blk = _heads_first(q[:, start:end], acc)                           # [B, h, n, dqk]
+            scores = _scores(q_blk, kf[:, :, :end], scale, hidden)               # [B, h, n, end]
+            lse_blk = torch.logsumexp(scores, dim=-1)                            # [B, h, n]
+            probs = scores.sub_(lse_blk[..., None]).exp_()
+            out[:, start:end] = torch.matmul(probs, vf[:, :, :end]).transpose(1, 2)
+            lse[:, start:end] = lse_blk.transpose(1, 2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.segment_ids, ctx.block = scale, segment_ids, block
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_out: Tensor, d_lse: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        B, T = q.shape[:2]
+        acc = out.dtype
+        d_out = d_out.to(acc)
+        # D - dlse: the one term all of a query's dS share.                       [B, h, T]
+        shift = ((d_out * out).sum(-1) - d_lse.to(acc)).transpose(1, 2)
+        lse_h = lse.transpose(1, 2)                                              # [B, h, T]
+        kf, vf = _heads_first(k, acc), _heads_first(v, acc)                      # [B, h, T, d]
+        dq = torch.empty_like(q)                                                 # a block's rows are final
+        dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)                      # every later block adds
+        for start, end in _blocks(T, ctx.block):
+            hidden = _hidden(ctx.segment_ids, B, start, end, q.device)
+            q_blk = _heads_first(q[:, start:end], acc)                           # [B, h, n, dqk]
+            do_blk = _heads_first(d_out[:, start:end], acc)                      # [B, h, n, dv]
+            probs = _scores(q_blk, kf[:, :, :end], ctx.scale, hidden)
+            probs = probs.sub_(lse_h[:, :, start:end, None]).exp_()              # [B, h, n, end]
+            dv[:, :, :end] += torch.matmul(probs.transpose(-1, -2), do_blk)
+            ds = torch.matmul(do_blk, vf[:, :, :end].transpose(-1, -2))          # dP [B, h, n, end]
+            ds = ds.sub_(shift[:, :, start:end, None]).mul_(probs)
+            del probs
+            dq[:, start:end] = torch.matmul(ds, kf[:, :, :end]).mul_(ctx.scale).transpose(1, 2)
+            dk[:, :, :end] += torch.matmul(ds.transpose(-1, -2), q_blk)
+        dk = dk.mul_(ctx.scale).transpose(1, 2).to(k.dtype)
+        return dq, dk, dv.transpose(1, 2).to(v.dtype), None, None, None
 
 
 def causal_attention_with_lse(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, segment_ids: Tensor | None = None
+    q: Tensor, k: Tensor, v: Tensor, scale: float, segment_ids: Tensor | None = None,
+    block_size: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Causal (per-sample) attention and its log-sum-exp, differentiable in both.
 
-    q, k: [B, T, heads, dqk]; v: [B, T, heads, dv] -> out [B, T, heads, dv] fp32, lse [B, T, heads] fp32.
-    Plain matmuls: O(T^2) memory per head, the same as eager attention. A fused kernel that
-    returns a differentiable lse (e.g. flex attention under torch.compile on GPU) can replace it.
+    q, k: [B, T, heads, dqk]; v: [B, T, heads, dv] -> out [B, T, heads, dv] fp32, lse [B, T, heads] fp32
+    (fp64 for fp64 inputs). Exact, block_size queries at a time (default `attention_block_size`),
+    each against the keys up to its own end, in fp32: O(block_size x T) memory per head for the
+    scores, O(T) saved for the backward. Gradients come back in the inputs' dtypes.
     """
-    B, T = q.shape[:2]
-    scores = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) * scale     # [B, h, T, T]
-    scores = scores.masked_fill(~_same_segment_causal(segment_ids, B, T, q.device), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)                                       # [B, h, T]
-    probs = torch.exp(scores - lse[..., None])
-    out = torch.einsum("bhts,bshd->bthd", probs, v.float())
-    return out, lse.transpose(1, 2)
+    B, T, h = q.shape[:3]
+    block = attention_block_size(B, h, T) if block_size is None else block_size
+    if block < 1:
+        raise ValueError(f"block_size {block_size}: at least 1 query per block")
+    return _CausalAttentionWithLse.apply(q, k, v, scale, segment_ids, block)
 
 
 def attention_ttt(q: Tensor, cache: TTTCache, scale: float, segment_ids: Tensor | None = None) -> Tensor:

@@ -8,11 +8,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.mla import (
+    MAX_BLOCK,
+    MIN_BLOCK,
+    TILE_BYTES,
     MLAConfig,
     MLAttention,
     TTTCache,
+    attention_block_size,
     attention_reference,
     attention_ttt,
+    causal_attention_with_lse,
     ttt_mask,
 )
 from model.rope import RopeSpec, RotaryEmbedding, yarn_get_mscale
@@ -151,6 +156,160 @@ def test_ttt_attention_builds_no_stacked_keys_or_3d_mask() -> None:
     sizes = [torch.Size(s).numel() for s in rec.shapes]
     assert max(sizes) <= B * h * T * T
     assert not any(steps * T in s or (steps - 1) * T in s for s in rec.shapes)   # no (k+1)T key axis
+
+
+# ---- block-wise causal attention with log-sum-exp --------------------------------------------
+def _materialised_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                                     segment_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eager implementation the block-wise kernel replaced: full [B, h, T, T] fp32 scores and
+    probabilities, differentiated by autograd. out [B, T, h, dv], lse [B, T, h]."""
+    B, T = q.shape[:2]
+    visible = torch.ones(T, T, dtype=torch.bool).tril().expand(B, T, T)
+    if segment_ids is not None:
+        visible = visible & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    scores = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) * scale     # [B, h, T, T]
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)                                       # [B, h, T]
+    probs = torch.exp(scores - lse[..., None])
+    return torch.einsum("bhts,bshd->bthd", probs, v.float()), lse.transpose(1, 2)
+
+
+def _qkv(B: int, T: int, h: int, dqk: int, dv: int, g: torch.Generator,
+         dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(torch.randn(B, T, h, d, generator=g, dtype=dtype).requires_grad_() for d in (dqk, dqk, dv))
+
+
+def _three_rows(T: int) -> torch.Tensor:
+    """Rows 0-1 as _packed_segments (row 1 ends in a padding segment); row 2 all padding (id -1, as
+    collate_rows pads a batch), row 3 a one-token sample between padding."""
+    seg = torch.cat((_packed_segments(2, T), torch.full((2, T), -1)))
+    seg[3, T // 2] = 7
+    return seg
+
+
+def _out_lse_and_grads(fn, q, k, v, seg, r_out, r_lse) -> list[torch.Tensor]:
+    """out, lse and the gradients of q, k, v of a loss that reads both outputs."""
+    out, lse = fn(q, k, v, 0.37, seg)
+    loss = (out * r_out).sum() + (lse * r_lse).sum()
+    return [out, lse, *torch.autograd.grad(loss, (q, k, v))]
+
+
+@pytest.mark.parametrize("T,block", [(24, 5), (24, 8), (24, 24), (24, 64), (37, 1), (37, 7), (37, None),
+                                     (300, None), (300, 64)])
+@pytest.mark.parametrize("segments", ["none", "packed+padding"])
+def test_blockwise_attention_equals_materialised(T: int, block: int | None, segments: str) -> None:
+    """Forward and the gradients through out AND lse (attention_ttt merges by lse), for blocks
+    that do and do not divide T; T 300 with the default block runs two blocks (256 + 44)."""
+    g = torch.Generator().manual_seed(T)
+    seg = _three_rows(T) if segments != "none" else None
+    B = 4 if seg is not None else 2
+    q, k, v = _qkv(B, T, 3, 16, 8, g)
+    r_out, r_lse = torch.randn(B, T, 3, 8, generator=g), torch.randn(B, T, 3, generator=g)
+    ours = _out_lse_and_grads(lambda *a: causal_attention_with_lse(*a, block_size=block), q, k, v, seg, r_out, r_lse)
+    ref = _out_lse_and_grads(_materialised_attention_with_lse, q, k, v, seg, r_out, r_lse)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), ours, ref):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=name)
+        assert torch.isfinite(a).all(), name
+
+
+def test_blockwise_attention_on_padding_rows_is_finite_and_local() -> None:
+    """An all-padding row and padding segments attend the padding before them (the diagonal is
+    always visible): finite, and the padding leaves the samples' outputs and gradients alone."""
+    g = torch.Generator().manual_seed(5)
+    T = 20
+    seg = _three_rows(T)
+    q, k, v = _qkv(4, T, 2, 8, 4, g)
+    out, lse = causal_attention_with_lse(q, k, v, 0.5, seg, block_size=6)
+    dq, dk, dv = torch.autograd.grad(out.sum() + lse.sum(), (q, k, v), retain_graph=True)
+    for t in (out, lse, dq, dk, dv):
+        assert torch.isfinite(t).all()
+    # Row 2 is padding throughout: its first position sees only itself.
+    torch.testing.assert_close(out[2, 0], v[2, 0].detach(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(lse[2, 0], (q[2, 0] * k[2, 0]).sum(-1).detach() * 0.5, rtol=0, atol=1e-5)
+    # Row 3's one-token sample sees only itself; its key gets gradient only from its own query.
+    t = T // 2
+    torch.testing.assert_close(out[3, t], v[3, t].detach(), rtol=0, atol=1e-6)
+    pad = seg[3] != 7
+    kept = torch.autograd.grad(lse[3, t].sum(), k)[0]
+    assert kept[3, pad].abs().max() == 0 and kept[3, t].abs().max() > 0
+
+
+def test_blockwise_attention_gradcheck_float64() -> None:
+    g = torch.Generator().manual_seed(2)
+    q, k, v = _qkv(2, 7, 2, 3, 2, g, torch.float64)
+    seg = torch.tensor([[0] * 7, [0, 0, 0, 1, 1, 9, 9]])
+    fn = lambda q, k, v: causal_attention_with_lse(q, k, v, 0.7, seg, block_size=3)  # noqa: E731
+    assert fn(q, k, v)[0].dtype == torch.float64
+    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def test_blockwise_attention_keeps_the_inputs_dtypes() -> None:
+    """bf16 in (the training dtype): fp32 out and lse, bf16 gradients, close to the fp32 run."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = _qkv(1, 40, 2, 16, 8, g, torch.bfloat16)
+    out, lse = causal_attention_with_lse(q, k, v, 0.25, block_size=16)
+    assert out.dtype == lse.dtype == torch.float32
+    grads = torch.autograd.grad(out.sum() + lse.sum(), (q, k, v))
+    assert all(t.dtype == torch.bfloat16 for t in grads)
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    out32, lse32 = _materialised_attention_with_lse(q32, k32, v32, 0.25)
+    torch.testing.assert_close(out, out32, rtol=0, atol=1e-5)
+    grads32 = torch.autograd.grad(out32.sum() + lse32.sum(), (q32, k32, v32))
+    for a, b in zip(grads, grads32):
+        torch.testing.assert_close(a.float(), b, rtol=2e-2, atol=2e-2)
+
+
+def _saved_bytes(fn, T: int) -> int:
+    """Bytes of the distinct storages autograd saves for fn's backward at row length T."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = _qkv(1, T, 4, 16, 16, g)
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(q, k, v, 0.25, torch.zeros(1, T, dtype=torch.long))
+    return sum(saved.values())
+
+
+def test_blockwise_attention_saves_linear_memory() -> None:
+    """Doubling T doubles what the block-wise kernel saves (q, k, v, out, lse: exactly those),
+    where the materialised one's [B, h, T, T] tensors quadruple."""
+    blockwise = lambda *a: causal_attention_with_lse(*a, block_size=64)  # noqa: E731
+    ours = [_saved_bytes(blockwise, T) for T in (256, 512)]
+    ref = [_saved_bytes(_materialised_attention_with_lse, T) for T in (256, 512)]
+    assert ours[1] / ours[0] == pytest.approx(2.0, rel=1e-3)
+    assert ref[1] / ref[0] > 3.5
+    T, h, d = 512, 4, 16
+    assert ours[1] == 4 * (3 * T * h * d + T * h * d + T * h)        # q, k, v, out fp32 + lse
+
+
+def test_blockwise_attention_tiles_skip_the_masked_triangle() -> None:
+    """No intermediate exceeds one [B, h, block, T] tile, and block i only meets keys up to its
+    own end: the first block's tile is [B, h, block, block]."""
+    g = torch.Generator().manual_seed(1)
+    B, T, h, block = 1, 60, 2, 20
+    q, k, v = _qkv(B, T, h, 16, 8, g)
+    with _ShapeRecorder() as rec:
+        out, lse = causal_attention_with_lse(q, k, v, 0.3, block_size=block)
+        (out.sum() + lse.sum()).backward()
+    assert max(torch.Size(s).numel() for s in rec.shapes) <= B * h * block * T
+    assert (B, h, block, block) in rec.shapes and (B, h, block, 2 * block) in rec.shapes
+
+
+def test_default_block_size() -> None:
+    """Kimi-K2 (64 heads, T 8192): 128 queries, a 256 MiB tile; never under MIN_BLOCK even when
+    one tile row is large (Kimi-K3 at T 46000); short rows: MAX_BLOCK, or all of T."""
+    assert attention_block_size(1, 64, 8192) == 128
+    assert 1 * 64 * 128 * 8192 * 4 <= TILE_BYTES
+    assert attention_block_size(1, 64, 46000) == MIN_BLOCK
+    assert attention_block_size(1, 4, 2048) == MAX_BLOCK
+    assert attention_block_size(1, 4, 100) == 100
+    with pytest.raises(ValueError):
+        causal_attention_with_lse(*_qkv(1, 4, 1, 2, 2, torch.Generator()), 1.0, block_size=0)
 
 
 # ---- the MLA module -----------------------------------------------------------------------
