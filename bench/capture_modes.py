@@ -8,13 +8,11 @@ with capture, medians of rounds. Writes bench/results/capture_modes.json.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import infra
@@ -23,10 +21,10 @@ infra.configure_environment()  # offline hubs, caches in the repo: before transf
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from bench.dump import prompts_of, timed  # noqa: E402
+from bench.dump import prompt_bench_args, prompts_of, timed  # noqa: E402
 from dump.capture import HiddenStateCapture, capture_spec, start_capture_engine  # noqa: E402
 from dump.engine import shutdown_llm  # noqa: E402
-from infra import REPO_ROOT, compose_config  # noqa: E402
+from infra import compose_config  # noqa: E402
 from model.verifier import verifier_dir  # noqa: E402
 
 # Eager: the CPU config as `make dump` runs it. Compiled: the GPU config's setting
@@ -64,12 +62,7 @@ def measure(mode: str, prompts: list[list[int]], rounds: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench/results/capture_modes.json")
-    args = parser.parse_args()
-
+    args = prompt_bench_args(__doc__, 16, "bench/results/capture_modes.json")
     cfg = compose_config("dump")
     tokenizer = AutoTokenizer.from_pretrained(verifier_dir(cfg.verifier))
     prompts = [[int(t) for t in s.input_ids] for s in prompts_of(cfg, args.samples, tokenizer)]

@@ -75,6 +75,15 @@ def prompts_of(cfg, n: int, tokenizer) -> list:
     return samples
 
 
+def prompt_bench_args(doc: str, samples: int, out: str) -> argparse.Namespace:
+    """--samples, --rounds and --out, the arguments of the benchmarks that prefill prompts."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=samples)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / out)
+    return parser.parse_args()
+
+
 def timed(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -82,11 +91,7 @@ def timed(fn) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=48)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench/results/dump.json")
-    args = parser.parse_args()
+    args = prompt_bench_args(__doc__, 48, "bench/results/dump.json")
 
     cfg = compose_config("dump")
     vdir = verifier_dir(cfg.verifier)
