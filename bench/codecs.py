@@ -31,13 +31,12 @@ import numcodecs
 import numcodecs.blosc
 import numpy as np
 import torch
-from hydra import compose, initialize_config_dir
 from numcodecs.abc import Codec
 from omegaconf import OmegaConf
 
 import infra
 from data.conversations import load_conversations
-from infra import CONF_DIR, REPO_ROOT, resolve
+from infra import REPO_ROOT, compose_config, resolve
 from store import StoreReader, StoreWriter, encode_bf16, encode_fp8, inspect_store, verifier_identity
 
 infra.configure_environment()  # offline hubs, caches in the repo: before the functions below load transformers
@@ -85,8 +84,7 @@ def token_batches(verifier: Path, n_conversations: int, max_tokens: int) -> Iter
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(verifier)
-    data_cfg = OmegaConf.load(CONF_DIR / "data/sharegpt.yaml")
-    data_cfg.max_samples = n_conversations
+    data_cfg = compose_config("dump", ["data=sharegpt", f"data.max_samples={n_conversations}"]).data
     for conversation in load_conversations(data_cfg, "train"):
         messages = [{"role": m.role, "content": m.content} for m in conversation.messages]
         ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
@@ -177,8 +175,7 @@ class StoreFigures:
 
 def storage_cfg(mode: str) -> dict[str, Any]:
     """conf/store/<mode>.yaml as Hydra composes it."""
-    with initialize_config_dir(config_dir=str(CONF_DIR / "store"), version_base=None):
-        cfg = OmegaConf.to_container(compose(config_name=mode), resolve=True)
+    cfg = OmegaConf.to_container(compose_config("dump", [f"store={mode}"]).store, resolve=True)
     assert isinstance(cfg, dict)
     return cfg
 
@@ -233,7 +230,7 @@ def main() -> None:
     torch.set_num_threads(1)
     numcodecs.blosc.set_nthreads(1)
     verifier = find_verifier(args.verifier)
-    aux_ids = list(OmegaConf.load(CONF_DIR / "verifier/kimi_tiny.yaml").aux_layer_ids)
+    aux_ids = list(compose_config("dump", ["verifier=kimi_tiny"]).verifier.aux_layer_ids)
     chunk_bytes = storage_cfg("lossless")["target_chunk_bytes"]
     batches = token_batches(verifier, args.conversations, args.max_tokens)
     conversations = hidden_states(verifier, aux_ids, batches)

@@ -28,14 +28,17 @@ def batched(items: Iterable[Conversation], size: int) -> Iterator[list[Conversat
         yield batch
 
 
-def open_writer(cfg: DictConfig) -> StoreWriter:
-    vdir = verifier_dir(cfg.verifier)
-    return StoreWriter(resolve(cfg.output_dir), verifier_identity(vdir, cfg.verifier.name),
-                       list(cfg.verifier.aux_layer_ids), cfg.store,
-                       OmegaConf.to_container(cfg, resolve=True),
-                       aux_convention=cfg.verifier.aux_convention,
-                       aux_capture=cfg.verifier.aux_capture,
-                       rank=cfg.rank, world_size=cfg.world_size)
+def open_writer(output_dir: str | Path, verifier: DictConfig, store: DictConfig, record: dict[str, Any],
+                rank: int | None = None, world_size: int | None = None) -> StoreWriter:
+    """The store at output_dir of `verifier`'s hidden states (conf/verifier, conf/store nodes).
+
+    record: plain values store.json keeps under `dump` (the run's resolved config)."""
+    vdir = verifier_dir(verifier)
+    return StoreWriter(resolve(output_dir), verifier_identity(vdir, verifier.name),
+                       list(verifier.aux_layer_ids), store, record,
+                       aux_convention=verifier.aux_convention,
+                       aux_capture=verifier.aux_capture,
+                       rank=rank, world_size=world_size)
 
 
 def write_batch(writer: StoreWriter, capture: HiddenStateCapture, samples: list[TokenizedSample]) -> int:
@@ -56,7 +59,8 @@ def run_dump(cfg: DictConfig, llm=None) -> dict[str, Any]:
     """
     vdir = verifier_dir(cfg.verifier)
     tokenizer = AutoTokenizer.from_pretrained(vdir)
-    writer = open_writer(cfg)
+    writer = open_writer(cfg.output_dir, cfg.verifier, cfg.store, OmegaConf.to_container(cfg, resolve=True),
+                         cfg.rank, cfg.world_size)
     done = writer.done_sample_ids()
     read_stats = ReadStats()
     todo = (c for c in load_conversations(cfg.data, cfg.split, read_stats)

@@ -137,10 +137,11 @@ def dump_texts(cfg: DictConfig, categories: list[Category], runs: dict[str, dict
         for cat in categories:
             for mode, run in runs[cat.name].items():
                 path = run_dir / "stores" / cat.name / mode
-                writer = open_writer(OmegaConf.create({
-                    "output_dir": str(path), "verifier": cfg.verifier, "store": cfg.store, "rank": 0,
-                    "world_size": 1, "eval": {"category": cat.name, "benchmark": cat.benchmark, "mode": mode,
-                                              "draft_dir": cfg.draft_dir}}))
+                record = {"output_dir": str(path), "verifier": OmegaConf.to_container(cfg.verifier, resolve=True),
+                          "store": OmegaConf.to_container(cfg.store, resolve=True), "rank": 0, "world_size": 1,
+                          "eval": {"category": cat.name, "benchmark": cat.benchmark, "mode": mode,
+                                   "draft_dir": cfg.draft_dir}}
+                writer = open_writer(path, cfg.verifier, cfg.store, record, rank=0, world_size=1)
                 done = writer.done_sample_ids()
                 samples = []
                 for prompt, answer in zip(cat.prompts, run.outputs):

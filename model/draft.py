@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
-from infra import CONF_DIR
+from infra import compose_config
 from model.aux_ids import to_vllm_aux_ids
 from model.mla import MLAConfig, MLAttention, RMSNorm, TTTCache
 from model.rope import RopeSpec
@@ -134,18 +134,15 @@ def layer_shapes(d: dict[str, Any]) -> dict[str, Any]:
     return shapes
 
 
-def compose_draft_conf(draft: str | DictConfig, verifier: str | DictConfig | None = None) -> DictConfig:
-    """conf/draft/<draft>.yaml resolved against its verifier yaml, as Hydra composes them.
+def compose_draft_conf(draft: str, verifier: str | None = None) -> DictConfig:
+    """cfg.draft of `python -m train draft=<draft> verifier=<verifier>`, composed by Hydra.
 
-    The draft yaml points at `${verifier.*}` for what must match the verifier; `verifier` defaults
-    to the yaml named by the draft's own `verifier` key.
+    The draft yaml points at `${verifier.*}` for what must match the verifier; `verifier` (a
+    conf/verifier name) defaults to the one the draft yaml names in its own `verifier` key.
     """
-    draft_cfg = OmegaConf.load(CONF_DIR / "draft" / f"{draft}.yaml") if isinstance(draft, str) else draft
     if verifier is None:
-        verifier = str(draft_cfg.verifier)
-    verifier_cfg = OmegaConf.load(CONF_DIR / "verifier" / f"{verifier}.yaml") if isinstance(verifier, str) else verifier
-    root = OmegaConf.create({"verifier": verifier_cfg, "draft": draft_cfg})
-    return root.draft
+        verifier = str(compose_config("train", [f"draft={draft}"]).draft.verifier)
+    return compose_config("train", [f"draft={draft}", f"verifier={verifier}"]).draft
 
 
 class DraftMLP(nn.Module):

@@ -24,10 +24,9 @@ from data.conversations import (
     sharegpt_default_path,
     sharegpt_split_key,
 )
-from infra import CONF_DIR
+from infra import compose_config
 
 DATA = pathlib.Path(__file__).parent / "data"
-CONF = CONF_DIR / "data"
 SHAREGPT_FIXTURE = DATA / "malformed_sharegpt.jsonl"
 MESSAGES_FIXTURE = DATA / "malformed_messages.jsonl"
 
@@ -336,7 +335,7 @@ def test_humaneval_problems():
 
 
 def test_load_sharegpt_config_splits_the_packaged_file():
-    cfg = OmegaConf.load(CONF / "sharegpt.yaml")
+    cfg = compose_config("dump", ["data=sharegpt"]).data
     assert cfg.path is None
     cfg.max_samples = 30
     train = list(load_conversations(cfg, "train"))
@@ -352,7 +351,7 @@ def test_load_sharegpt_config_splits_the_packaged_file():
 
 
 def test_load_humaneval_config_is_all_evaluation():
-    cfg = OmegaConf.load(CONF / "humaneval.yaml")
+    cfg = compose_config("dump", ["data=humaneval"]).data
     assert len(list(load_conversations(cfg, "heldout"))) == 164
     assert list(load_conversations(cfg, "train")) == []
     cfg.max_samples = 5
@@ -360,7 +359,7 @@ def test_load_humaneval_config_is_all_evaluation():
 
 
 def test_load_jsonl_config(tmp_path):
-    cfg = OmegaConf.load(CONF / "jsonl.yaml")
+    cfg = compose_config("dump", ["data=jsonl"]).data
     with pytest.raises(MissingMandatoryValue):
         load_conversations(cfg, "train")
 
@@ -385,7 +384,7 @@ def test_load_jsonl_config(tmp_path):
 
 
 def test_load_accepts_a_plain_dict(tmp_path):
-    cfg = OmegaConf.to_container(OmegaConf.load(CONF / "sharegpt.yaml"))
+    cfg = OmegaConf.to_container(compose_config("dump", ["data=sharegpt"]).data)
     cfg.update(path=str(SHAREGPT_FIXTURE), heldout_fraction=0.0)
     assert [c.id for c in load_conversations(cfg, "train")] == ["good_0", "good_1", "good_2"]
     with pytest.raises(ValueError, match="unknown split"):

@@ -47,9 +47,10 @@ def test_draft_group_composes_with_hydra() -> None:
     assert k2.hidden_size == 7168
 
 
-def test_sglang_aux_ids_in_a_verifier_yaml_become_vllm_ids(kimi_tiny_cfg) -> None:
-    verifier = OmegaConf.merge(kimi_tiny_cfg, {"aux_layer_ids": [1, 3, 4], "aux_convention": "sglang"})
-    assert DraftConfig.from_conf(compose_draft_conf("kimi_tiny", verifier)).aux_layer_ids == (2, 4, 5)
+def test_sglang_aux_ids_in_a_verifier_yaml_become_vllm_ids() -> None:
+    cfg = compose_config("train", ["draft=kimi_tiny", "verifier=kimi_tiny", "verifier.aux_layer_ids=[1,3,4]",
+                                   "verifier.aux_convention=sglang"])
+    assert DraftConfig.from_conf(cfg.draft).aux_layer_ids == (2, 4, 5)
 
 
 def test_kimi_k3_draft_builds_on_meta_device() -> None:

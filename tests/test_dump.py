@@ -13,12 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from transformers import AutoTokenizer, DeepseekV3ForCausalLM
 
 from data.conversations import Conversation, load_conversations
 from dump.capture import CapturedSample
-from infra import CONF_DIR, REPO_ROOT, compose_config
+from infra import REPO_ROOT, compose_config
 from store import StoreReader
 from tests.test_capture import assert_matches_transformers
 
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.vllm
 
 def short_multiturn(n: int, max_chars: int = 1200) -> list[Conversation]:
     """Real ShareGPT conversations with at least two assistant turns, kept short."""
-    data = OmegaConf.load(CONF_DIR / "data/sharegpt.yaml")
+    data = compose_config("dump", ["data=sharegpt"]).data
     picked = (c for c in load_conversations(data, "train")
               if sum(m.role == "assistant" for m in c.messages) >= 2
               and sum(len(m.content) for m in c.messages) <= max_chars)

@@ -20,6 +20,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 SHIPPED_DRAFT = Path(__file__).parent / "data" / "kimi_tiny_draft"
 NUM_PROMPTS = 4
 MAX_TOKENS = 48
+# Sampled accept length both the simulation and vLLM must exceed (T=1, top-p 0.95): see
+# test_sampled_runs_accept_drafts_and_match_the_expectation.
+SAMPLED_FLOOR = 1.04
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +62,11 @@ def test_sampled_runs_accept_drafts_and_match_the_expectation(evaluated) -> None
     out, _ = evaluated
     for name, r in out["categories"].items():
         real, sim = r["real"]["sampled"], r["sim"]["sampled"]
+        # The comparisons below only relate the two sides: near 1.0 (nothing accepted) on both
+        # they pass. This draft on these prompts gets 1.108 / 1.163 simulated and 1.099 / 1.132
+        # from vLLM (dialogue / code); the floor asks for 0.04 above 1, under half the least of it.
+        assert sim["accept_length"] > SAMPLED_FLOOR, f"{name}: the simulation accepts too little: {sim}"
+        assert real["passes"] > 0 and real["accept_length"] > SAMPLED_FLOOR, f"{name}: vLLM accepts too little: {real}"
         assert real["accept_length"] > 1.0 + 0.5 * (sim["accept_length"] - 1.0), f"{name}: {real} vs {sim}"
         assert real["accept_length"] == pytest.approx(sim["accept_length"], rel=0.15), name
 

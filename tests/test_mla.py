@@ -104,12 +104,71 @@ def _packed_segments(B: int, T: int) -> torch.Tensor:
     return seg
 
 
-def test_ttt_mask_is_the_facts_formula() -> None:
-    T, steps = 5, 3
-    mask = ttt_mask(T, steps, None, 1, torch.device("cpu"))[0, 0]
-    for q, kv in itertools.product(range(T), range(steps * T)):
-        want = (kv < T and q >= kv) or (kv >= T and (kv - q) % T == 0)
-        assert bool(mask[q, kv]) == want, (q, kv)
+# Keys are concatenated step by step: [k0 at positions 0..T-1 | step-1 keys at 0..T-1 | ...].
+# Written out by hand for T=3: step 0 causal (within a sample), later steps only the query's own position.
+_MASK_T3_2STEPS = [[1, 0, 0, 1, 0, 0],
+                   [1, 1, 0, 0, 1, 0],
+                   [1, 1, 1, 0, 0, 1]]
+_MASK_T3_3STEPS = [[1, 0, 0, 1, 0, 0, 1, 0, 0],
+                   [1, 1, 0, 0, 1, 0, 0, 1, 0],
+                   [1, 1, 1, 0, 0, 1, 0, 0, 1]]
+# Segments [0, 0, 1]: position 2 starts a new sample and no longer sees positions 0 and 1.
+_MASK_T3_2STEPS_PACKED = [[1, 0, 0, 1, 0, 0],
+                          [1, 1, 0, 0, 1, 0],
+                          [0, 0, 1, 0, 0, 1]]
+# Segments [0, 1, 1]: position 1 starts the second sample.
+_MASK_T3_2STEPS_PACKED_LATE = [[1, 0, 0, 1, 0, 0],
+                               [0, 1, 0, 0, 1, 0],
+                               [0, 1, 1, 0, 0, 1]]
+
+
+def _literal(rows: list[list[int]]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.bool)
+
+
+def test_ttt_mask_equals_hand_written_masks() -> None:
+    cpu = torch.device("cpu")
+    for steps, want in ((1, _literal(_MASK_T3_2STEPS)[:, :3]), (2, _literal(_MASK_T3_2STEPS)),
+                        (3, _literal(_MASK_T3_3STEPS))):
+        mask = ttt_mask(3, steps, None, 2, cpu)
+        assert mask.dtype == torch.bool and mask.shape == (2, 1, 3, 3 * steps)
+        assert torch.equal(mask[0, 0], want) and torch.equal(mask[1, 0], want), steps
+    # Packed rows: row 0 one sample, row 1 two, row 2 two split elsewhere.
+    seg = torch.tensor([[0, 0, 0], [0, 0, 1], [4, 7, 7]])
+    mask = ttt_mask(3, 2, seg, 3, cpu)
+    assert mask.shape == (3, 1, 3, 6)
+    assert torch.equal(mask[0, 0], _literal(_MASK_T3_2STEPS))
+    assert torch.equal(mask[1, 0], _literal(_MASK_T3_2STEPS_PACKED))
+    assert torch.equal(mask[2, 0], _literal(_MASK_T3_2STEPS_PACKED_LATE))
+
+
+def _attention_by_loop(q: torch.Tensor, cache: TTTCache, scale: float, seg: torch.Tensor) -> torch.Tensor:
+    """Per query: softmax over exactly the step-0 keys at or before it in its own sample, and each
+    later step's key at its own position; nothing shared with ttt_mask."""
+    B, T, h, _ = q.shape
+    out = torch.zeros(B, T, h, cache.v0.shape[-1], dtype=torch.float64)
+    for b, t, head in itertools.product(range(B), range(T), range(h)):
+        ks = [cache.k0[b, s, head] for s in range(t + 1) if seg[b, s] == seg[b, t]]
+        vs = [cache.v0[b, s, head] for s in range(t + 1) if seg[b, s] == seg[b, t]]
+        ks += [k[b, t, head] for k in cache.diag_k]
+        vs += [v[b, t, head] for v in cache.diag_v]
+        scores = torch.stack([(q[b, t, head].double() * k.double()).sum() for k in ks]) * scale
+        weights = torch.exp(scores - scores.max())
+        out[b, t, head] = (weights[:, None] * torch.stack(vs).double()).sum(0) / weights.sum()
+    return out
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["one-sample", "packed"])
+def test_ttt_attention_attends_exactly_the_intended_keys(packed: bool) -> None:
+    g = torch.Generator().manual_seed(11)
+    B, T, h, steps = 2, 7, 2, 3
+    seg = torch.tensor([[0] * 7, [0, 0, 1, 1, 1, 5, 5]]) if packed else torch.zeros(B, T, dtype=torch.long)
+    with torch.no_grad():
+        q, cache = _cache(B, T, h, 4, 3, steps, g)
+        want = _attention_by_loop(q, cache, 0.6, seg).float()
+        for kernel in (attention_reference, attention_ttt):
+            got = kernel(q, cache, 0.6, seg if packed else None)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=kernel.__name__)
 
 
 @pytest.mark.parametrize("steps", [1, 2, 4])

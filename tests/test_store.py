@@ -16,10 +16,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from infra import CONF_DIR, REPO_ROOT
+from infra import REPO_ROOT, compose_config
 from store import (
     AUX,
     SHARDS_DIR,
@@ -47,8 +46,7 @@ SAMPLE_BYTES = 12 * (N_AUX * H * 2 + H * 2 + 5)  # a sample of 12 tokens, bf16 m
 
 def storage(name: str = "lossless", **overrides: Any) -> dict[str, Any]:
     """The shipped conf/store/<name>.yaml, with small chunks and shards for small data."""
-    with initialize_config_dir(config_dir=str(CONF_DIR / "store"), version_base=None):
-        cfg = OmegaConf.to_container(compose(config_name=name))
+    cfg = OmegaConf.to_container(compose_config("dump", [f"store={name}"]).store)
     assert isinstance(cfg, dict)
     cfg.update({"target_chunk_bytes": 2048, "shard_bytes": 4 * SAMPLE_BYTES, **overrides})
     return cfg

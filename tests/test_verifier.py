@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer, DeepseekV3ForCausalLM
 
 from data.conversations import load_conversations
-from infra import CONF_DIR
+from infra import compose_config
 from tools.build_verifier import evaluate, hf_config_dict, tokenize_until
 
 SPECIAL = ["[BOS]", "[EOS]", "[PAD]", "[UNK]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>",
@@ -54,7 +54,7 @@ def test_tokenizer_has_kimi_control_tokens(tokenizer) -> None:
 
 
 def test_tokenizer_round_trips_real_sharegpt_text(tokenizer, kimi_tiny_cfg: DictConfig) -> None:
-    data = OmegaConf.load(CONF_DIR / "data/sharegpt.yaml")
+    data = compose_config("dump", ["data=sharegpt"]).data
     for conv in islice(load_conversations(data, "heldout"), 20):
         for message in conv.messages:
             ids = tokenizer(message.content, add_special_tokens=False)["input_ids"]
