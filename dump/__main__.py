@@ -22,13 +22,21 @@ def dump_main(cfg: DictConfig) -> None:
     summary = run_dump(cfg)
     Path(HydraConfig.get().runtime.output_dir, "dump_summary.json").write_text(
         json.dumps(summary, indent=2) + "\n")
+    print(summary_line(summary))
+
+
+def summary_line(summary: dict) -> str:
+    """The dump's one-line report of its summary (dump_summary.json has the details)."""
     bpt = summary["bytes_per_token"]
-    print(f"dump done: {summary['samples_written']} samples, {summary['tokens_written']} tokens "
-          f"in {summary['shards_written']} shards ({summary['samples_already_done']} done "
-          f"earlier), {summary['tokens_per_s']:.0f} tokens/s, "
-          f"{'-' if bpt is None else f'{bpt:.0f}'} bytes/token, "
-          f"{summary['samples_rejected']} rejected (named in the summary); "
-          f"store {summary['store']}")
+    parts = [
+        f"{summary['samples_written']} samples",
+        f"{summary['tokens_written']} tokens in {summary['shards_written']} shards "
+        f"({summary['samples_already_done']} done earlier)",
+        f"{summary['tokens_per_s']:.0f} tokens/s",
+        f"{'-' if bpt is None else f'{bpt:.0f}'} bytes/token",
+        f"{summary['samples_rejected']} rejected (named in the summary)",
+    ]
+    return "dump done: " + ", ".join(parts) + f"; store {summary['store']}"
 
 
 def inspect_main(argv: list[str]) -> int:
