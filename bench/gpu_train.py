@@ -65,6 +65,7 @@ from torch import Tensor, nn
 import infra
 from infra import REPO_ROOT, compose_config
 from model.draft import DraftConfig, Eagle3Draft
+from model.mla import attention_block_size
 from train.objective import Eagle3Objective, ObjectiveConfig, step_inputs
 from train.plan import GIB, MemoryPlan, PlanSpec, memory_plan
 
@@ -125,12 +126,20 @@ def _matmul_params(module: nn.Module) -> int:
     return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
 
 
+def _executed_score_pairs(L: int, B: int, heads: int) -> int:
+    """(query, key) pairs model/mla.py's block-wise causal attention computes per head and row:
+    each query block [start, end) scores the keys [0, end)."""
+    block = attention_block_size(B, heads, L)
+    return sum((min(start + block, L) - start) * min(start + block, L) for start in range(0, L, block))
+
+
 def model_flops(draft: Eagle3Draft, batch: dict[str, Tensor], steps: int, *, executed: bool = False) -> int:
     """Model FLOPs of one forward + backward of the objective on `batch` (module docstring).
 
-    executed: the matmul FLOPs the eager kernels run instead: every position of the row, full
-    [T, T] attention scores per step (no diagonal keys: those are element-wise), and the chunked
-    loss's backward recomputing both heads' logits (what torch's FlopCounterMode counts)."""
+    executed: the matmul FLOPs the kernels run instead: every position of the row, the attention's
+    query blocks against all keys up to each block's end, its backward recomputing the scores
+    (2 x dqk more per pair), no diagonal keys (element-wise), and the chunked loss's backward
+    recomputing both heads' logits (what torch's FlopCounterMode counts)."""
     cfg = draft.config
     real = batch["segment_ids"] >= 0
     B, L = real.shape
@@ -142,11 +151,13 @@ def model_flops(draft: Eagle3Draft, batch: dict[str, Tensor], steps: int, *, exe
         target_flops += 2 * cfg.vocab_size * cfg.hidden_size
     attention_width = 2 * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
     causal = int(((batch["position_ids"] + 1) * real).sum())
+    executed_attention = B * cfg.num_attention_heads * _executed_score_pairs(L, B, cfg.num_attention_heads) * (
+        attention_width // cfg.num_attention_heads * 3 + 2 * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim))
     flops = 4 * draft.fc.weight.numel() * T
     for k in range(steps):
         _, _, counted = step_inputs(batch, k)
         flops += 6 * _matmul_params(draft.midlayer) * T
-        flops += 3 * attention_width * (B * L * L if executed else causal + k * T)
+        flops += 3 * attention_width * (causal + k * T) if not executed else executed_attention
         flops += (head_flops + target_flops) * int(counted.sum())
     return int(flops)
 
