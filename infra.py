@@ -3,12 +3,15 @@
 REPO_ROOT and CONF_DIR (the one Hydra config folder); `resolve` for config paths given relative
 to the repository; `configure_environment()`, which each entry point (`python -m dump`, `-m train`,
 `-m evaluation`, tools, benchmarks, the test suite) calls before transformers, huggingface_hub or
-vLLM are imported; `compose_config` for the configs outside an entry point. Importing this module
-changes nothing.
+vLLM are imported; `compose_config` for the configs outside an entry point; `failpoint`, the named
+places where the fault suite makes a process die or fail. Importing this module changes nothing.
 """
 from __future__ import annotations
 
+import errno
 import os
+import signal
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -56,3 +59,43 @@ def compose_config(name: str, overrides: list[str] | None = None) -> DictConfig:
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         return compose(config_name=name, overrides=overrides or [])
+
+
+# ---- fault injection -------------------------------------------------------------------------
+# EAGLE3_FAILPOINTS="name[:hit[:action]],...": the hit-th time (1-based, default 1) this process
+# reaches failpoint(name) it acts: kill (SIGKILL itself: a crash, a preemption, an OOM kill), stop
+# (SIGSTOP itself, for a test to look at the files mid-write and then SIGCONT it) or enospc (raise
+# the OSError a full disk raises). Unset, a failpoint costs one dict lookup.
+FAILPOINTS_ENV = "EAGLE3_FAILPOINTS"
+FAILPOINT_ACTIONS = ("kill", "stop", "enospc")
+_failpoint_hits: Counter[str] = Counter()
+
+
+def _armed_failpoints() -> dict[str, tuple[int, str]]:
+    armed = {}
+    for spec in filter(None, os.environ.get(FAILPOINTS_ENV, "").split(",")):
+        name, hit, action = (spec.split(":") + ["1", "kill"])[:3]
+        if action not in FAILPOINT_ACTIONS or not hit.isdigit():
+            raise ValueError(f"{FAILPOINTS_ENV}: {spec!r} is not name[:hit[:action]] with action one of "
+                             f"{FAILPOINT_ACTIONS}")
+        armed[name] = (int(hit), action)
+    return armed
+
+
+def failpoint(name: str) -> None:
+    """A place the fault suite can make fail (EAGLE3_FAILPOINTS above); a no-op otherwise."""
+    if FAILPOINTS_ENV not in os.environ:
+        return
+    armed = _armed_failpoints().get(name)
+    if armed is None:
+        return
+    _failpoint_hits[name] += 1
+    hit, action = armed
+    if _failpoint_hits[name] != hit:
+        return
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    else:
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (failpoint {name})")

@@ -17,7 +17,7 @@ from data.template import SampleRejected, TokenizedSample, tokenize_conversation
 from dump.capture import HiddenStateCapture, capture_spec, start_capture_engine
 from dump.engine import shutdown_llm
 from dump.regenerate import regenerate
-from infra import resolve
+from infra import failpoint, resolve
 from model.verifier import verifier_dir
 from store import StoreWriter, verifier_identity
 
@@ -88,6 +88,7 @@ def run_dump(cfg: DictConfig, llm=None) -> dict[str, Any]:
                     # Recorded in the store, so a resumed run skips it and forms the same batches.
                     writer.reject(conv.id, str(err))
             tokens += write_batch(writer, capture, samples)
+            failpoint("dump.batch.done")
             bar.update(len(batch))
             elapsed = time.time() - start
             bar.set_postfix(tok_s=f"{tokens / elapsed:.0f}",

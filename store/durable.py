@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from infra import failpoint
 from store.format import FORMAT_VERSION, MANIFEST_DIR, SHARDS_DIR, _SHARD_NAME
 
 
@@ -24,6 +25,7 @@ def _replace_json_durably(path: Path, value: Any) -> None:
     """Write tmp, fsync, rename over, fsync the folder: a reader sees the old or the new file."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     _write_json_durably(tmp, value)
+    failpoint("store.json.before_rename")
     os.replace(tmp, path)
     _fsync_dir(path.parent)
 

@@ -45,6 +45,8 @@ import zarr
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
+from infra import failpoint
+
 FORMAT_VERSION = 1
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 # bf16: hidden states as bf16 (what a bf16 verifier computes: lossless); fp8: aux states as e4m3
@@ -185,6 +187,7 @@ def _write_shard(folder: Path, arrays: Mapping[str, np.ndarray], attributes: dic
             # An all-zero chunk is written too, so that every chunk is there with its checksum.
             config={"write_empty_chunks": True})
         array[...] = data
+        failpoint("store.shard.array_written")
 
 
 # The dtype a hidden-state array means, per mode; bf16 and e4m3 are stored as their raw bits

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from infra import failpoint
 from store.durable import (Manifest, ShardEntry, _all_manifests, _committed_shards, _fsync_dir, _fsync_tree,
                            _load_manifest, _lock_rank, _manifest_path, _nbytes_on_disk, _write_manifest)
 from store.format import (AUX, AUX_SCALE, CORRUPT_PREFIX, FINAL, FORMAT_VERSION, INPUT_IDS, LOSS_MASK,
@@ -262,8 +263,10 @@ class StoreWriter:
                       "sample_ids": sample_ids, **self._shard_attributes}
         _write_shard(tmp_folder, arrays, attributes, self.storage)
         _fsync_tree(tmp_folder)
+        failpoint("store.shard.before_rename")
         os.rename(tmp_folder, final_folder)  # the commit point
         _fsync_dir(final_folder.parent)
+        failpoint("store.shard.after_rename")
         entry = ShardEntry(name, sample_ids, np.diff(arrays[OFFSETS]).tolist(),
                            _nbytes_on_disk(final_folder))
         self._manifest.shards.append(entry)

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from infra import failpoint
 from model.draft import DraftConfig, Eagle3Draft
 from train.objective import Eagle3Objective
 
@@ -193,11 +194,13 @@ def save_checkpoint(engine, root: Path, step: int, keep: int, client_state: dict
     tag = tag_of(step)
     engine.save_checkpoint(str(root), tag=tag, client_state={"step": step, **client_state})
     dist.barrier()
+    failpoint("train.checkpoint.before_marker")
     folder = root / tag
     if dist.get_rank() == 0:
         tmp = folder / f".{COMPLETE}.tmp"
         tmp.write_text(json.dumps({"step": step, **client_state}) + "\n")
         os.replace(tmp, folder / COMPLETE)                # the checkpoint exists from here on
+        failpoint("train.checkpoint.after_marker")
         for old in complete_checkpoints(root)[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from infra import resolve
+from infra import failpoint, resolve
 from model.card import SUMMARY, write_card
 from model.checkpoint import draft_config_json, export_draft, init_from_draft
 from model.draft import DraftConfig, build_draft
@@ -195,6 +195,7 @@ def fit(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             if done % int(t.log_every) == 0 or done == setup.total_steps:
                 log.write("train", done, record)
             bar.update(1)
+            failpoint("train.step.done")
             bar.set_postfix(loss=f"{loss:.3f}", acc0=f"{record['acc_0']:.3f}", tok_s=f"{tokens / elapsed:.0f}")
             if done % int(t.checkpoint_every) == 0 or done == setup.total_steps:
                 last_ckpt = E.save_checkpoint(engine, ckpt_root, done, int(t.keep_checkpoints), {"loss": loss})
