@@ -85,3 +85,12 @@ def train_store(draft_verifier_dir: Path, tmp_path_factory: pytest.TempPathFacto
     """A small real store for the trainer tests (24 conversations of at most 256 tokens)."""
     path = tmp_path_factory.mktemp("train_store") / "store"
     return write_verifier_store(path, TRAIN_STORE_SAMPLES, TRAIN_STORE_MAX_LEN)
+
+
+# ---- the fault-injection suite --------------------------------------------------------------
+def fault_points() -> int:
+    """How many kill points each fault test tries: FAULTS_N (`make faults N=...`), else a number
+    that keeps `make test` within its time."""
+    import os
+
+    return int(os.environ.get("FAULTS_N", "3"))
