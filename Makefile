@@ -44,6 +44,15 @@ verifier: setup
 test: setup
 	$(PY) -m pytest -q $(ARGS)
 
+# `make faults [N=20]`: the fault-injection suite (tests marked `faults`: kills of the dump, the
+# store writer and the trainer at N seeded points each, flipped bits in every kind of file, full
+# disks, concurrent writers); `make test` runs it with 3 points. Against your own store or dump
+# config: `python -m tools.faults corrupt <store>` / `python -m tools.faults dump -n N [overrides]`.
+N ?= 20
+.PHONY: faults
+faults: setup
+	FAULTS_N=$(N) $(PY) -m pytest -q -m faults $(ARGS)
+
 # DATA: a preset of conf/data (sharegpt, sharegpt_subset, humaneval) or a JSON/JSONL file of
 # conversations (ShareGPT or OpenAI messages). Empty: the embedded default.
 DATA ?=

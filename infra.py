@@ -74,8 +74,9 @@ _failpoint_hits: Counter[str] = Counter()
 def _armed_failpoints() -> dict[str, tuple[int, str]]:
     armed = {}
     for spec in filter(None, os.environ.get(FAILPOINTS_ENV, "").split(",")):
-        name, hit, action = (spec.split(":") + ["1", "kill"])[:3]
-        if action not in FAILPOINT_ACTIONS or not hit.isdigit():
+        parts = spec.split(":")
+        name, hit, action = (parts + ["1", "kill"][len(parts) - 1:]) if len(parts) <= 3 else ("", "", "")
+        if not name or not hit.isdigit() or action not in FAILPOINT_ACTIONS:
             raise ValueError(f"{FAILPOINTS_ENV}: {spec!r} is not name[:hit[:action]] with action one of "
                              f"{FAILPOINT_ACTIONS}")
         armed[name] = (int(hit), action)

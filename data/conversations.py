@@ -3,7 +3,8 @@
 Every reader streams (files can be far larger than memory would like), validates each
 record and yields `Conversation`s. A bad record either stops the read with a
 `RecordError` that says where it is and what is wrong (on_error="raise"), or is counted
-in a `ReadStats` and passed over (on_error="skip"). Parsing the files into raw records is
+in a `ReadStats` and passed over (on_error="skip"). A record whose id an earlier record of
+the file already took is bad too ("duplicate id"). Parsing the files into raw records is
 data/records.py's job.
 """
 
@@ -51,6 +52,9 @@ HUMANEVAL_INSTRUCTION = (
 )
 
 _MAX_LOGGED_SKIPS = 10
+# Skipped records a ReadStats names one by one (the dump's summary lists them); past this
+# many they are only counted, so a file of mostly bad records cannot fill the memory.
+_MAX_NAMED_SKIPS = 1000
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,10 @@ class Conversation:
     id: str
     messages: tuple[Message, ...]
     category: str = "dialogue"
+    # "<file name>:<line>" of the record, so that a later rejection (over-long, non-finite
+    # states) can point at it; not part of equality: the same record read from a JSONL file
+    # and from a JSON array is the same conversation.
+    origin: str | None = field(default=None, compare=False)
 
 
 class RecordError(ValueError):
@@ -96,6 +104,14 @@ class ReadStats:
     reasons: collections.Counter = field(default_factory=collections.Counter)
     # Records kept after dropping the assistant turns they began with.
     trimmed: int = 0
+    # The first _MAX_NAMED_SKIPS skipped records, each saying where it is and why.
+    errors: list[RecordError] = field(default_factory=list)
+
+    def skip(self, error: RecordError) -> None:
+        self.skipped += 1
+        self.reasons[error.reason] += 1
+        if len(self.errors) < _MAX_NAMED_SKIPS:
+            self.errors.append(error)
 
     def summary(self) -> str:
         text = f"read {self.read}, skipped {self.skipped}"
@@ -248,33 +264,63 @@ def _read_records(
     require_answer: bool = True,
 ) -> Iterator[Conversation]:
     skipped_here = collections.Counter()
+    first_lines: dict[str, int] = {}  # sample id -> line of the record that took it
     for raw in _raw_records(path):
         try:
-            if raw.problem is not None:
-                raise raw.problem
-            sample_id = _record_id(raw)
-            messages = to_messages(raw.value)
-            trimmed = False
-            if drop_leading_assistant:
-                messages, trimmed = _drop_leading_assistant(messages)
-            _check_turns(messages, require_answer)
+            conversation, trimmed = _conversation(raw, path, to_messages, drop_leading_assistant,
+                                                  require_answer)
+            _take_id(first_lines, conversation.id, raw.line, path)
         except _Invalid as problem:
             declared_id = _declared_id(raw.value)
             error = RecordError(path, raw.line, declared_id, problem.reason, problem.detail)
             if on_error == "raise":
                 raise error from None
-            stats.skipped += 1
-            stats.reasons[error.reason] += 1
+            stats.skip(error)
             skipped_here[error.reason] += 1
             if skipped_here.total() <= _MAX_LOGGED_SKIPS:
                 logger.warning("skipped record %s", error)
             continue
         stats.read += 1
         stats.trimmed += trimmed
-        yield Conversation(sample_id, tuple(messages))
+        yield conversation
     if skipped_here:
         reasons = ", ".join(f"{r}: {n}" for r, n in skipped_here.most_common())
         logger.warning("skipped %d records of %s (%s)", skipped_here.total(), path.name, reasons)
+
+
+def _conversation(
+    raw: _Raw,
+    path: pathlib.Path,
+    to_messages: Callable[[dict], list[Message]],
+    drop_leading_assistant: bool,
+    require_answer: bool,
+) -> tuple[Conversation, bool]:
+    """The record as a conversation, and whether leading assistant turns were dropped."""
+    if raw.problem is not None:
+        raise raw.problem
+    sample_id = _record_id(raw)
+    messages = to_messages(raw.value)
+    trimmed = False
+    if drop_leading_assistant:
+        messages, trimmed = _drop_leading_assistant(messages)
+    _check_turns(messages, require_answer)
+    return Conversation(sample_id, tuple(messages), origin=f"{path.name}:{raw.line}"), trimmed
+
+
+def _take_id(first_lines: dict[str, int], sample_id: str, line: int, path: pathlib.Path) -> None:
+    """Give the id to this record, or refuse the record if an earlier one of the file took it.
+
+    Only records that passed every other check take an id, so a bad record cannot shadow a
+    good one. Checking one file is checking the dump's whole input: a dump reads one data
+    source, and every rank reads all of it before keeping the ids it owns; a duplicated id
+    hashes to the same rank as its first occurrence, so each rank, checking the whole stream,
+    finds every duplicate it could otherwise write twice. (Records without an "id" get
+    fallback ids from their line or index, unique within the file.)
+    """
+    if sample_id in first_lines:
+        first = f"{path.name}:{first_lines[sample_id]}"
+        raise _Invalid("duplicate id", f"duplicate id {sample_id!r}: first at {first}, which is kept")
+    first_lines[sample_id] = line
 
 
 def _detect_format(path: pathlib.Path) -> Literal["sharegpt", "messages"]:
@@ -301,16 +347,21 @@ def _record_id(raw: _Raw) -> str:
     if "id" not in raw.value:
         return raw.fallback_id
     sample_id = raw.value["id"]
-    if isinstance(sample_id, bool) or not isinstance(sample_id, str | int) or sample_id == "":
-        detail = f"wrong nesting: id {sample_id!r} is neither a non-empty string nor an integer"
-        raise _Invalid("wrong nesting", detail)
+    if not _usable_id(sample_id):
+        detail = f"bad id: {json.dumps(sample_id)} is neither a non-empty string nor an integer"
+        raise _Invalid("bad id", detail)
     return str(sample_id)
 
 
 def _declared_id(value: Any) -> str | None:
-    if isinstance(value, dict) and isinstance(value.get("id"), str | int):
-        return str(value["id"])
-    return None
+    """The record's id for an error to name it by, if it has a usable one."""
+    sample_id = value.get("id") if isinstance(value, dict) else None
+    return str(sample_id) if _usable_id(sample_id) else None
+
+
+def _usable_id(sample_id: Any) -> bool:
+    # A boolean is an int to isinstance, and JSON's true would become the id "True".
+    return isinstance(sample_id, str | int) and not isinstance(sample_id, bool) and sample_id != ""
 
 
 def _sharegpt_messages(record: dict) -> list[Message]:

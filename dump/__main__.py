@@ -34,9 +34,18 @@ def summary_line(summary: dict) -> str:
         f"({summary['samples_already_done']} done earlier)",
         f"{summary['tokens_per_s']:.0f} tokens/s",
         f"{'-' if bpt is None else f'{bpt:.0f}'} bytes/token",
-        f"{summary['samples_rejected']} rejected (named in the summary)",
+        f"{summary['samples_rejected']} rejected{_counts(summary['rejected_by_kind'])}",
+        f"{summary['records_skipped']} input records skipped{_counts(summary['skipped_by_reason'])}",
     ]
-    return "dump done: " + ", ".join(parts) + f"; store {summary['store']}"
+    return ("dump done: " + ", ".join(parts) + "; the summary names the rejected samples and "
+            f"skipped records; store {summary['store']}")
+
+
+def _counts(by_kind: dict[str, int]) -> str:
+    """The counts as ' (over-long: 2, non-finite hidden states: 1)'; '' when there are none."""
+    if not by_kind:
+        return ""
+    return " (" + ", ".join(f"{kind}: {n}" for kind, n in by_kind.items()) + ")"
 
 
 def inspect_main(argv: list[str]) -> int:

@@ -3,14 +3,16 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter, deque
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from data.conversations import Conversation, ReadStats, load_conversations
 from data.template import SampleRejected, TokenizedSample, tokenize_conversation
@@ -20,6 +22,24 @@ from dump.regenerate import regenerate
 from infra import failpoint, resolve
 from model.verifier import verifier_dir
 from store import StoreWriter, verifier_identity
+
+
+@dataclass
+class Rejections:
+    """The samples this run rejected: why, naming the record each came from, and how many of
+    each kind ("over-long", "non-finite hidden states", ...)."""
+
+    reasons: dict[str, str] = field(default_factory=dict)  # sample id -> reason
+    kinds: Counter = field(default_factory=Counter)
+
+    def note(self, sample_id: str, kind: str, reason: str) -> None:
+        self.reasons[sample_id] = reason
+        self.kinds[kind] += 1
+
+
+def _writer_kind(reason: str) -> str:
+    """The kind of a rejection StoreWriter.add made: NaN or inf states, or no tokens."""
+    return "non-finite hidden states" if "non-finite" in reason else reason
 
 
 def batched(items: Iterable[Conversation], size: int) -> Iterator[list[Conversation]]:
@@ -41,22 +61,52 @@ def open_writer(output_dir: str | Path, verifier: DictConfig, store: DictConfig,
                        rank=rank, world_size=world_size)
 
 
-def write_batch(writer: StoreWriter, capture: HiddenStateCapture, samples: list[TokenizedSample]) -> int:
-    """Capture one batch of tokenized samples and add them to the store; returns its tokens."""
+def write_batch(writer: StoreWriter, capture: HiddenStateCapture, samples: list[TokenizedSample],
+                rejections: Rejections | None = None) -> int:
+    """Capture one batch of tokenized samples and add them to the store; returns its tokens.
+
+    The samples the store refuses (non-finite states) are noted in `rejections`, if given."""
     captured = capture.capture([s.input_ids for s in samples]) if samples else []
     for sample, states in zip(samples, captured):
-        writer.add(sample.id, sample.input_ids, sample.loss_mask, states.aux, states.final)
+        added = writer.add(sample.id, sample.input_ids, sample.loss_mask, states.aux, states.final)
+        if not added and rejections is not None:
+            reason = writer.stats.rejected[sample.id]
+            where = f"{sample.origin} (sample {sample.id}): " if sample.origin else ""
+            rejections.note(sample.id, _writer_kind(reason), where + reason)
     # Shards close only between batches, so a resumed run forms the same batches.
     writer.commit_if_full()
     return sum(len(s.input_ids) for s in samples)
+
+
+def check_input(data: DictConfig, split: str) -> None:
+    """Read what the dump will read, once, so that under on_error=raise a bad record (malformed,
+    or a duplicate id) fails the dump before an engine starts rather than hours into it."""
+    deque(load_conversations(data, split), maxlen=0)
+
+
+def tokenize_batch(writer: StoreWriter, tokenizer: PreTrainedTokenizerBase, batch: list[Conversation],
+                   cfg: DictConfig, rejections: Rejections) -> list[TokenizedSample]:
+    """The batch's samples under cfg.max_len and cfg.over_long; the others are rejected."""
+    samples: list[TokenizedSample] = []
+    for conv in batch:
+        try:
+            samples.append(tokenize_conversation(tokenizer, conv, cfg.max_len, cfg.over_long))
+        except SampleRejected as err:
+            # Recorded in the store, so a resumed run skips it and forms the same batches.
+            writer.reject(conv.id, str(err))
+            rejections.note(conv.id, err.kind, str(err))
+    return samples
 
 
 def run_dump(cfg: DictConfig, llm=None) -> dict[str, Any]:
     """Dump this rank's share of the configured data; resumes whatever an earlier run left.
 
     `llm`: an engine already running on the verifier (tests share one); else one is started
-    from cfg.engine and shut down at the end.
+    from cfg.engine and shut down at the end. Under data.on_error=raise the input is read through
+    first, and a bad record stops the dump before anything is started or written.
     """
+    if cfg.data.on_error == "raise":
+        check_input(cfg.data, cfg.split)
     vdir = verifier_dir(cfg.verifier)
     tokenizer = AutoTokenizer.from_pretrained(vdir)
     writer = open_writer(cfg.output_dir, cfg.verifier, cfg.store, OmegaConf.to_container(cfg, resolve=True),
@@ -68,35 +118,32 @@ def run_dump(cfg: DictConfig, llm=None) -> dict[str, Any]:
 
     spec = capture_spec(cfg.verifier)
     own_engine = llm is None
-    if own_engine:
-        llm = start_capture_engine(vdir, cfg.engine, spec, cfg.max_len)
-    capture = HiddenStateCapture(llm, spec)
+    rejections = Rejections()
     tokens = 0
     start = time.time()
     bar = tqdm(desc=f"dump rank {writer.rank}", unit="sample", dynamic_ncols=True)
     try:
-        for batch in batched(todo, cfg.batch_size):
-            if cfg.regenerate.enabled:
-                batch = regenerate(llm, tokenizer, batch, cfg.regenerate,
-                                   cfg.verifier.end_of_turn, cfg.max_len)
-            samples: list[TokenizedSample] = []
-            for conv in batch:
-                try:
-                    samples.append(tokenize_conversation(tokenizer, conv, cfg.max_len,
-                                                         cfg.over_long))
-                except SampleRejected as err:
-                    # Recorded in the store, so a resumed run skips it and forms the same batches.
-                    writer.reject(conv.id, str(err))
-            tokens += write_batch(writer, capture, samples)
-            failpoint("dump.batch.done")
-            bar.update(len(batch))
-            elapsed = time.time() - start
-            bar.set_postfix(tok_s=f"{tokens / elapsed:.0f}",
-                            B_tok=f"{writer.bytes_per_token():.0f}" if writer.stats.tokens else "-")
-        writer.close()
+        # On an error the writer leaves the store as a crash would (committed shards kept, the
+        # rest redone by a resumed run) and lets go of the rank's lock, so that a retry in this
+        # process can open it again.
+        with writer:
+            if own_engine:
+                llm = start_capture_engine(vdir, cfg.engine, spec, cfg.max_len)
+            capture = HiddenStateCapture(llm, spec)
+            for batch in batched(todo, cfg.batch_size):
+                if cfg.regenerate.enabled:
+                    batch = regenerate(llm, tokenizer, batch, cfg.regenerate,
+                                       cfg.verifier.end_of_turn, cfg.max_len)
+                samples = tokenize_batch(writer, tokenizer, batch, cfg, rejections)
+                tokens += write_batch(writer, capture, samples, rejections)
+                failpoint("dump.batch.done")
+                bar.update(len(batch))
+                elapsed = time.time() - start
+                bar.set_postfix(tok_s=f"{tokens / elapsed:.0f}",
+                                B_tok=f"{writer.bytes_per_token():.0f}" if writer.stats.tokens else "-")
     finally:
         bar.close()
-        if own_engine:
+        if own_engine and llm is not None:
             shutdown_llm(llm)
     elapsed = time.time() - start
     summary = {
@@ -107,9 +154,10 @@ def run_dump(cfg: DictConfig, llm=None) -> dict[str, Any]:
         "tokens_written": writer.stats.tokens,
         "shards_written": writer.stats.shards,
         "samples_already_done": len(done),
-        "samples_rejected": len(writer.stats.rejected),
-        "rejected": dict(writer.stats.rejected),  # sample id -> reason
-        "reader": read_stats.summary(),
+        "samples_rejected": len(rejections.reasons),
+        "rejected": rejections.reasons,  # sample id -> reason, naming the record's file:line
+        "rejected_by_kind": dict(rejections.kinds.most_common()),
+        **input_summary(read_stats),
         "wall_s": elapsed,
         "tokens_per_s": tokens / elapsed if elapsed else 0.0,
         "bytes_per_token": writer.bytes_per_token() if writer.stats.tokens else None,
@@ -118,3 +166,16 @@ def run_dump(cfg: DictConfig, llm=None) -> dict[str, Any]:
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def input_summary(stats: ReadStats) -> dict[str, Any]:
+    """The summary's account of the input: what was read, what was skipped and why, and where
+    (every rank reads the whole input, so each rank's summary tells the same)."""
+    return {
+        "reader": stats.summary(),
+        "records_read": stats.read,
+        "records_skipped": stats.skipped,
+        "skipped_by_reason": dict(stats.reasons.most_common()),
+        "skipped_records": [{"file": e.path.name, "line": e.line, "sample": e.sample_id,
+                             "reason": e.reason, "detail": e.detail} for e in stats.errors],
+    }

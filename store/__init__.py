@@ -5,12 +5,15 @@ this package (`from store import StoreWriter, StoreReader`); its modules, one co
 
     format    the folder layout, array names, codecs and encodings (the format is described there)
     identity  the verifier identity and aux capture a store records; StoreMismatchError
-    durable   fsync'd JSON, per-rank manifests and locks: what makes a crash at any moment safe
-    writer    StoreWriter: one rank's samples, a shard at a time; resume after a crash
-    reader    StoreReader, its samples, and the verification of every chunk's checksum
+    durable   fsync'd, sha256-ended JSON, per-rank manifests and locks: what makes a crash at any
+              moment safe and any damage seen (StoreCorruptError)
+    writer    StoreWriter: one rank's samples, a shard at a time; resume after a crash;
+              StoreWriteError when the disk refuses a write
+    reader    StoreReader, its samples, and the verification of every chunk's and metadata
+              file's checksum; ShardCorruptError
     inspect   inspect_store / format_inspect: the report of `python -m dump inspect <store>`
 """
-from store.durable import Manifest, ShardEntry
+from store.durable import Manifest, ShardEntry, StoreCorruptError
 from store.format import (AUX, AUX_SCALE, CORRUPT_PREFIX, FINAL, FORMAT_VERSION, FP8_MAX, INPUT_IDS, LOSS_MASK,
                           MANIFEST_DIR, MODES, OFFSETS, SHARDS_DIR, STORE_META, TMP_PREFIX, StorageSettings,
                           decode_bf16, decode_fp8, encode_bf16, encode_fp8, shard_name)
@@ -18,13 +21,14 @@ from store.identity import (AUX_CAPTURES, LEGACY_AUX_CAPTURE, StoreMismatchError
                             check_aux_capture, read_store_meta, verifier_identity)
 from store.inspect import format_inspect, inspect_store
 from store.reader import Problem, Sample, SampleRef, ShardCorruptError, StoreReader
-from store.writer import StoreWriter, WriterStats, dist_env, rank_of
+from store.writer import StoreWriteError, StoreWriter, WriterStats, dist_env, rank_of
 
 __all__ = [
     "AUX", "AUX_CAPTURES", "AUX_SCALE", "CORRUPT_PREFIX", "FINAL", "FORMAT_VERSION", "FP8_MAX", "INPUT_IDS",
     "LEGACY_AUX_CAPTURE", "LOSS_MASK", "MANIFEST_DIR", "MODES", "OFFSETS", "SHARDS_DIR", "STORE_META",
     "TMP_PREFIX", "Manifest", "Problem", "Sample", "SampleRef", "ShardCorruptError", "ShardEntry",
-    "StorageSettings", "StoreMismatchError", "StoreReader", "StoreWriter", "WriterStats", "aux_capture_of",
-    "check_aux_capture", "decode_bf16", "decode_fp8", "dist_env", "encode_bf16", "encode_fp8",
-    "format_inspect", "inspect_store", "rank_of", "read_store_meta", "shard_name", "verifier_identity",
+    "StorageSettings", "StoreCorruptError", "StoreMismatchError", "StoreReader", "StoreWriteError",
+    "StoreWriter", "WriterStats", "aux_capture_of", "check_aux_capture", "decode_bf16", "decode_fp8",
+    "dist_env", "encode_bf16", "encode_fp8", "format_inspect", "inspect_store", "rank_of",
+    "read_store_meta", "shard_name", "verifier_identity",
 ]

@@ -1,33 +1,93 @@
-"""Files that survive a crash at any moment: fsync'd JSON written by rename, the per-rank
-manifests of committed shards, the listing of committed shards, and the per-rank write lock."""
+"""Files that survive a crash at any moment and show any damage: fsync'd JSON written by rename
+and ended by its sha256, the per-rank manifests of committed shards (with the sha256 of each
+shard's zarr.json files), the listing of committed shards, and the per-rank write lock."""
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import hashlib
 import json
 import os
+import re
+import socket
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 from infra import failpoint
-from store.format import FORMAT_VERSION, MANIFEST_DIR, SHARDS_DIR, _SHARD_NAME
+from store.format import FORMAT_VERSION, LEGACY_VERSION, MANIFEST_DIR, SHARDS_DIR, _SHARD_NAME
+
+# The last line of a checked JSON file. Nothing else in the file is a newline (compact JSON), so
+# one damaged byte either breaks this line or the body it hashes.
+_SHA256_LINE = re.compile(rb"\nsha256:([0-9a-f]{64})\n\Z")
+
+
+class StoreCorruptError(RuntimeError):
+    """A file of the store is damaged: it fails its checksum or cannot be parsed. `file` names it
+    (None where unknown); ShardCorruptError is the kind raised for a shard's files."""
+
+    def __init__(self, message: str, file: str | Path | None = None):
+        super().__init__(message)
+        self.file = None if file is None else str(file)
+
+
+def _checked_json(value: Any) -> bytes:
+    body = json.dumps(value, separators=(",", ":")).encode()
+    return body + b"\nsha256:" + hashlib.sha256(body).hexdigest().encode() + b"\n"
+
+
+def _read_checked_json(file: Path, advice: str) -> Any:
+    """A JSON file written by `_write_json_durably`, its sha256 checked; a version-1 file (no
+    sha256 line) only where it says version 1. StoreCorruptError names a damaged file."""
+    data = file.read_bytes()
+    line = _SHA256_LINE.search(data)
+    if line is None:
+        return _read_legacy_json(file, data, advice)
+    body = data[:line.start()]
+    if hashlib.sha256(body).hexdigest().encode() != line.group(1):
+        raise StoreCorruptError(f"{file} is damaged: its contents do not match the sha256 on its "
+                                f"last line; {advice}", file)
+    return json.loads(body)
+
+
+def _read_legacy_json(file: Path, data: bytes, advice: str) -> Any:
+    try:
+        value = json.loads(data)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict) or value.get("format_version") != LEGACY_VERSION:
+        raise StoreCorruptError(f"{file} is damaged: it does not end with its sha256 line and is "
+                                f"not a format-{LEGACY_VERSION} file; {advice}", file)
+    return value
 
 
 def _write_json_durably(path: Path, value: Any) -> None:
-    with open(path, "w") as f:
-        json.dump(value, f, separators=(",", ":"))
-        f.flush()
-        os.fsync(f.fileno())
+    """The value as JSON ended by its sha256 line, on disk; a partial file is removed on failure."""
+    try:
+        with open(path, "wb") as f:
+            f.write(_checked_json(value))
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):  # a full disk still allows an unlink; a read-only one not
+            path.unlink(missing_ok=True)
+        raise
 
 
 def _replace_json_durably(path: Path, value: Any) -> None:
     """Write tmp, fsync, rename over, fsync the folder: a reader sees the old or the new file."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     _write_json_durably(tmp, value)
-    failpoint("store.json.before_rename")
-    os.replace(tmp, path)
+    try:
+        failpoint("store.json.before_rename")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)
+    failpoint("store.json.after_rename")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -55,6 +115,9 @@ class ShardEntry:
     sample_ids: list[str]
     num_tokens: list[int]  # per sample
     nbytes: int            # on disk
+    # sha256 of each zarr.json, by path in the shard ("zarr.json", "aux_hidden/zarr.json", ...);
+    # empty in format 1 and for a shard no manifest lists yet
+    metadata_sha256: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -68,10 +131,19 @@ def _manifest_path(path: Path, rank: int) -> Path:
     return path / MANIFEST_DIR / f"rank-{rank:05d}.json"
 
 
+# What to do about a damaged manifest: its shards hold everything it says but the rejections.
+_MANIFEST_ADVICE = ("the shards it lists are not affected: move it away and rerun this rank's "
+                    "dump, which verifies them and lists them again (the rejected samples it "
+                    "listed are tried again)")
+
+
 def _read_manifest(file: Path) -> Manifest:
-    raw = json.loads(file.read_text())
-    return Manifest(rank=raw["rank"], shards=[ShardEntry(**s) for s in raw["shards"]],
-                    rejected=raw["rejected"])
+    raw = _read_checked_json(file, _MANIFEST_ADVICE)
+    try:
+        return Manifest(rank=raw["rank"], shards=[ShardEntry(**s) for s in raw["shards"]],
+                        rejected=raw["rejected"])
+    except (KeyError, TypeError) as error:  # only a format-1 file, unchecked, can get here
+        raise StoreCorruptError(f"{file} is damaged: {error!r}; {_MANIFEST_ADVICE}", file) from error
 
 
 def _load_manifest(path: Path, rank: int) -> Manifest:
@@ -98,6 +170,16 @@ def _committed_shards(path: Path) -> list[str]:
     return sorted(e.name for e in os.scandir(folder) if _SHARD_NAME.match(e.name))
 
 
+def _sha256_file(file: Path) -> str:
+    return hashlib.sha256(file.read_bytes()).hexdigest()
+
+
+def _metadata_sha256(folder: Path) -> dict[str, str]:
+    """sha256 of each zarr.json of a shard folder (the group's and each array's), by path in it."""
+    return {p.relative_to(folder).as_posix(): _sha256_file(p)
+            for p in sorted(folder.rglob("zarr.json"))}
+
+
 def _nbytes_on_disk(folder: Path) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files)
 
@@ -105,12 +187,21 @@ def _nbytes_on_disk(folder: Path) -> int:
 def _lock_rank(path: Path, rank: int) -> IO[bytes]:
     """An exclusive lock on this rank of the store, so that two processes that both think they
     are rank r (a launcher whose environment was not read, say) cannot delete each other's
-    unfinished shards; the kernel releases it when the process dies, even by SIGKILL."""
-    lock = open(path / MANIFEST_DIR / f"rank-{rank:05d}.lock", "wb")
+    unfinished shards; the kernel releases it when the process dies, even by SIGKILL. The lock
+    file names its holder, for the message the second process gets."""
+    lock = open(path / MANIFEST_DIR / f"rank-{rank:05d}.lock", "a+b")  # append: keep the holder's name
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().decode(errors="replace").strip() or "holder unknown"
         lock.close()
-        raise RuntimeError(f"rank {rank} of store {path} is being written by another process; "
-                           "check dump.rank / dump.world_size or RANK / SLURM_PROCID") from None
+        raise RuntimeError(
+            f"rank {rank} of store {path} is being written by another process ({holder}); two "
+            "writers of one rank would delete each other's unfinished shards. Wait for that process "
+            "to finish or stop it; if it is meant to be another rank, check dump.rank / "
+            "dump.world_size or RANK / SLURM_PROCID") from None
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+    lock.flush()
     return lock

@@ -5,13 +5,15 @@ A store is a folder:
     store.json                       written once, atomically, by whichever rank comes first:
                                      format version, verifier identity, aux layer ids, their
                                      convention and what they capture, storage settings, dump
-                                     config
+                                     config; then a line "sha256:<hex of the JSON above it>"
     shards/r00000-000000.zarr/       one Zarr v3 group per committed shard; its attributes repeat
                                      store.json (a shard describes itself) and list the sample ids
     shards/.tmp-r00000-000001.zarr/  a shard being written, renamed into place once complete and
                                      flushed to disk: the rename is the commit point
-    manifest/rank-00000.json         per rank: its committed shards (sample ids, token counts) and
-                                     rejected samples, rewritten atomically after each shard
+    manifest/rank-00000.json         per rank: its committed shards (sample ids, token counts, the
+                                     sha256 of each of their zarr.json files) and rejected samples,
+                                     rewritten atomically after each shard; the same sha256 line
+    manifest/rank-00000.lock         the rank's write lock, naming the process that holds it
 
 The shards folder is the truth and the manifests its index: a shard committed just before a
 crash, before its manifest was updated, is verified and adopted when its rank reopens the store.
@@ -29,6 +31,17 @@ Arrays of a shard holding S samples and N tokens:
 Every array is chunked along its first axis to about `target_chunk_bytes`; Zarr's sharding codec
 packs all chunks of an array into one file, and every chunk is encoded bytes -> compressor ->
 crc32c, so each chunk (and each shard index) carries its own checksum.
+
+So every file a reader reads is checked: chunks and shard indexes by their crc32c, each zarr.json
+(whose codec parameters, blosc's shuffle say, a decoder never reads back) against the sha256 its
+manifest entry holds, store.json and the manifests by their sha256 line. Every reader and
+`verify` checks these; a damaged file is named (StoreCorruptError, ShardCorruptError).
+
+Format versions. 2 is the above. 1 had no sha256 anywhere: its stores are still read (their JSON
+and zarr.json files are taken as they are, and `inspect` says so), but never written to: finish
+such a store with the code that started it, or start a new one. A JSON file without the sha256
+line is read as version 1 only when it says version 1: a version-2 file cannot lose that line to
+one damaged byte, so damage never makes a new file pass for an old one.
 """
 from __future__ import annotations
 
@@ -47,7 +60,8 @@ from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
 from infra import failpoint
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+LEGACY_VERSION = 1  # read, never written (the module's docstring)
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 # bf16: hidden states as bf16 (what a bf16 verifier computes: lossless); fp8: aux states as e4m3
 # with per-token scales, final as bf16; fp32: both as float32 (exact for a verifier computing in
@@ -155,6 +169,11 @@ def decode_fp8(codes: np.ndarray, scale: np.ndarray, dtype: torch.dtype = torch.
 
 def shard_name(rank: int, index: int) -> str:
     return f"r{rank:05d}-{index:06d}.zarr"
+
+
+def _data_file(array: str, ndim: int) -> str:
+    """Where an array's data lies in its shard folder: the key of its one Zarr shard."""
+    return "/".join([array, "c", *["0"] * ndim])
 
 
 def _shard_rank(name: str) -> int:

@@ -13,9 +13,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from store.durable import _fsync_dir, _write_json_durably
-from store.format import (AUX, FINAL, FORMAT_VERSION, INPUT_IDS, LOSS_MASK, STORE_META, StorageSettings,
-                          _LOGICAL_DTYPES, _plain)
+from store.durable import _fsync_dir, _read_checked_json, _write_json_durably
+from store.format import (AUX, FINAL, FORMAT_VERSION, INPUT_IDS, LEGACY_VERSION, LOSS_MASK, STORE_META,
+                          StorageSettings, _LOGICAL_DTYPES, _plain)
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +135,11 @@ def _create_or_check_meta(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
         finally:
             tmp.unlink()
     existing = read_store_meta(path)
+    if existing["format_version"] != meta["format_version"]:
+        raise StoreMismatchError(
+            f"cannot write to store {path}: it has format version {existing['format_version']}, "
+            f"this code writes version {meta['format_version']} (and reads both); finish the store "
+            "with the code that started it, or use a new store folder")
     problems = _mismatches(existing, meta)
     if problems:
         raise StoreMismatchError(f"cannot write to store {path}: it was written with other "
@@ -145,13 +150,19 @@ def _create_or_check_meta(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
     return existing
 
 
+# What to do about a damaged store.json.
+_META_ADVICE = ("the store's settings cannot be trusted: restore it from a copy (each shard's "
+                "zarr.json records the same settings among its attributes)")
+
+
 def read_store_meta(path: str | Path) -> dict[str, Any]:
-    """store.json of a store, checked for a format version this code reads."""
+    """store.json of a store, its checksum and format version checked (StoreCorruptError names a
+    damaged one)."""
     target = Path(path) / STORE_META
     if not target.is_file():
         raise FileNotFoundError(f"{path} is not a hidden-state store: {STORE_META} is missing")
-    meta = json.loads(target.read_text())
-    if meta.get("format_version") != FORMAT_VERSION:
+    meta = _read_checked_json(target, _META_ADVICE)
+    if meta.get("format_version") not in (LEGACY_VERSION, FORMAT_VERSION):
         raise StoreMismatchError(f"store {path} has format version {meta.get('format_version')}; "
-                                 f"this code reads version {FORMAT_VERSION}")
+                                 f"this code reads versions {LEGACY_VERSION} and {FORMAT_VERSION}")
     return meta

@@ -1,5 +1,7 @@
 """`python -m dump inspect <store>`: a store's counts, sizes, compression and the result of reading
-every chunk (`inspect_store`), and that report as lines for a terminal (`format_inspect`)."""
+every chunk and checking every metadata file (`inspect_store`), and that report as lines for a
+terminal (`format_inspect`). A store that cannot even be opened (no store.json, a damaged one, a
+damaged manifest) is a report with one problem, never a traceback."""
 from __future__ import annotations
 
 from collections import Counter
@@ -7,15 +9,23 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from store.durable import _all_manifests
-from store.format import CORRUPT_PREFIX, SHARDS_DIR, TMP_PREFIX
+from store.durable import StoreCorruptError, _all_manifests
+from store.format import CORRUPT_PREFIX, LEGACY_VERSION, SHARDS_DIR, TMP_PREFIX
+from store.identity import StoreMismatchError
 from store.reader import _MAX_NAMED, ShardCorruptError, StoreReader
 
 
 def inspect_store(path: str | Path, verify: bool = True) -> dict[str, Any]:
-    """Counts, sizes and (unless verify=False) the result of reading every chunk and checking its
-    checksum; `format_inspect` prints it."""
-    reader = StoreReader(path)
+    """Counts, sizes and (unless verify=False) the result of reading every chunk and metadata
+    file and checking its checksum; `format_inspect` prints it. Any problem is in "problems"."""
+    try:
+        reader = StoreReader(path)
+    except (StoreCorruptError, StoreMismatchError, OSError) as error:
+        return {"path": str(path), "unreadable": True, "problems": [f"cannot open the store: {error}"]}
+    return _report(reader, verify)
+
+
+def _report(reader: StoreReader, verify: bool) -> dict[str, Any]:
     entries = reader.shards()
     tokens = sum(sum(e.num_tokens) for e in entries)
     disk = _bytes_by_array(reader)
@@ -28,6 +38,7 @@ def inspect_store(path: str | Path, verify: bool = True) -> dict[str, Any]:
     return {
         "path": str(reader.path),
         "format_version": reader.meta["format_version"],
+        "metadata_checksums": reader.meta["format_version"] != LEGACY_VERSION,
         "verifier": reader.identity.get("name"),
         "hidden_size": hidden,
         "aux_layer_ids": reader.aux_layer_ids,
@@ -86,6 +97,9 @@ def format_inspect(report: Mapping[str, Any]) -> str:
         value = report[key]
         return "n/a" if value is None else f"{value:,.1f} bytes"
 
+    if report.get("unreadable"):
+        return "\n".join([f"store         {report['path']}", "PROBLEMS      1:",
+                          *[f"  {p}" for p in report["problems"]]])
     lines = [
         f"store         {report['path']} (format {report['format_version']})",
         f"verifier      {report['verifier']}: H={report['hidden_size']}, aux layers "
@@ -111,14 +125,20 @@ def format_inspect(report: Mapping[str, Any]) -> str:
     if report["quarantined_shards"]:
         lines.append(f"quarantined   {', '.join(report['quarantined_shards'])} (failed verification "
                      "when adopted after a crash; their samples were written again)")
+    return "\n".join(lines + _checksum_lines(report))
+
+
+def _checksum_lines(report: Mapping[str, Any]) -> list[str]:
+    lines = [] if report["metadata_checksums"] else [
+        f"metadata      format {LEGACY_VERSION}: store.json, manifests and zarr.json files carry no "
+        "checksum; damage to them cannot be seen"]
     if report["problems"] is None:
-        lines.append("checksums     not verified")
-    elif report["problems"]:
-        lines.append(f"PROBLEMS      {len(report['problems'])}:")
-        lines += [f"  {p}" for p in report["problems"]]
-    else:
-        lines.append("checksums     every chunk and shard index verified: OK")
-    return "\n".join(lines)
+        return lines + ["checksums     not verified"]
+    if report["problems"]:
+        return lines + [f"PROBLEMS      {len(report['problems'])}:", *[f"  {p}" for p in report["problems"]]]
+    checked = "every chunk, shard index and metadata file" if report["metadata_checksums"] else \
+        "every chunk and shard index"
+    return lines + [f"checksums     {checked} verified: OK"]
 
 
 def _ratio(value: float | None) -> str:

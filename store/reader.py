@@ -12,9 +12,10 @@ import numpy as np
 import torch
 import zarr
 
-from store.durable import ShardEntry, _all_manifests, _committed_shards, _nbytes_on_disk
-from store.format import (AUX, AUX_SCALE, FINAL, INPUT_IDS, LOSS_MASK, OFFSETS, SHARDS_DIR, decode_bf16,
-                          decode_fp8)
+from store.durable import (ShardEntry, StoreCorruptError, _all_manifests, _committed_shards,
+                           _nbytes_on_disk, _sha256_file)
+from store.format import (AUX, AUX_SCALE, FINAL, INPUT_IDS, LOSS_MASK, OFFSETS, SHARDS_DIR, _data_file,
+                          decode_bf16, decode_fp8)
 from store.identity import _mismatches, aux_capture_of, read_store_meta
 
 # Readers keep this many shards' Zarr metadata open (a trainer touches shards at random).
@@ -22,13 +23,15 @@ _OPEN_SHARDS = 64
 _MAX_NAMED = 10  # sample ids shown in one message
 
 
-class ShardCorruptError(RuntimeError):
-    """A shard's data cannot be read back: a checksum mismatch, a truncated file, bad metadata."""
+class ShardCorruptError(StoreCorruptError):
+    """A shard's data cannot be read back: a checksum mismatch, a truncated file, bad metadata.
+    `file` is the damaged file relative to the store, where known."""
 
-    def __init__(self, shard: str, array: str | None, sample_ids: Sequence[str], detail: str):
-        self.shard, self.array, self.sample_ids = shard, array, tuple(sample_ids)
-        where = f"shard {shard}" + (f", array {array}" if array else "")
-        super().__init__(f"{where}: {detail} (samples {_name_some(self.sample_ids)})")
+    def __init__(self, shard: str, array: str | None, sample_ids: Sequence[str], detail: str,
+                 file: str | None = None):
+        self.shard, self.array, self.sample_ids, self.detail = shard, array, tuple(sample_ids), detail
+        super().__init__(f"{_where(shard, array, file)}: {detail} (samples "
+                         f"{_name_some(self.sample_ids)})", file)
 
 
 @dataclass(frozen=True)
@@ -56,10 +59,22 @@ class Problem:
     array: str | None
     sample_ids: tuple[str, ...]
     message: str
+    file: str | None = None  # relative to the store
 
     def __str__(self) -> str:
-        where = f"shard {self.shard}" + (f", array {self.array}" if self.array else "")
+        where = _where(self.shard, self.array, self.file)
         return f"{where}: {self.message} (samples {_name_some(self.sample_ids)})"
+
+
+def _problem(error: ShardCorruptError, sample_ids: Sequence[str] | None = None) -> Problem:
+    """The Problem an error of a shard makes; sample_ids where the caller knows them better."""
+    ids = error.sample_ids if sample_ids is None else tuple(sample_ids)
+    return Problem(error.shard, error.array, ids, error.detail, error.file)
+
+
+def _where(shard: str, array: str | None, file: str | None) -> str:
+    return (f"shard {shard}" + (f", array {array}" if array else "")
+            + (f", file {file}" if file else ""))
 
 
 def _name_some(sample_ids: Sequence[str]) -> str:
@@ -68,18 +83,40 @@ def _name_some(sample_ids: Sequence[str]) -> str:
     return shown + (f" and {more} more" if more > 0 else "") if sample_ids else "none known"
 
 
-class _OpenShard:
-    """A committed shard's Zarr group, arrays and offsets, opened for reading."""
+def _check_metadata(folder: Path, metadata_sha256: Mapping[str, str], sample_ids: Sequence[str]
+                    ) -> None:
+    """Each zarr.json of the shard against the sha256 its manifest entry holds, before Zarr parses
+    any: a damaged codec parameter would otherwise pass unseen, a damaged shape be believed."""
+    for relative, digest in metadata_sha256.items():
+        file = folder / relative
+        try:
+            found = _sha256_file(file)
+        except OSError as error:
+            found, detail = None, f"cannot be read ({error.strerror})"
+        else:
+            detail = "differs from the sha256 its manifest entry holds: it was changed or damaged"
+        if found != digest:
+            array = relative.split("/")[0] if "/" in relative else None
+            raise ShardCorruptError(folder.name, array, sample_ids, f"this zarr.json {detail}",
+                                    f"{SHARDS_DIR}/{folder.name}/{relative}")
 
-    def __init__(self, folder: Path):
+
+class _OpenShard:
+    """A committed shard's Zarr group, arrays and offsets, opened for reading; its metadata
+    checked against its manifest entry where one lists it."""
+
+    def __init__(self, folder: Path, entry: ShardEntry | None = None):
         self.name = folder.name
+        known = entry.sample_ids if entry else ()
+        if entry is not None:
+            _check_metadata(folder, entry.metadata_sha256, known)
         try:
             group = zarr.open_group(str(folder), mode="r", zarr_format=3)
             self.attributes = dict(group.attrs)
             self.sample_ids: list[str] = list(self.attributes["sample_ids"])
             self.arrays = {name: array for name, array in group.arrays()}
         except Exception as error:  # metadata missing or not JSON: the whole shard is unreadable
-            raise ShardCorruptError(self.name, None, (), f"cannot open: {error!r}") from error
+            raise ShardCorruptError(self.name, None, known, f"cannot open: {error!r}") from error
         offsets = self.read(OFFSETS, slice(None), self.sample_ids)
         self.offsets: np.ndarray = offsets.astype(np.int64)
         if len(self.offsets) != len(self.sample_ids) + 1:
@@ -90,10 +127,12 @@ class _OpenShard:
         """array[rows]; a failed read (checksum, truncation, decompression) names the samples."""
         if name not in self.arrays:
             raise ShardCorruptError(self.name, name, sample_ids, "array is missing")
+        array = self.arrays[name]
         try:
-            return self.arrays[name][rows]
+            return array[rows]
         except Exception as error:
-            raise ShardCorruptError(self.name, name, sample_ids, f"cannot read: {error}") from error
+            raise ShardCorruptError(self.name, name, sample_ids, f"cannot read: {error}",
+                                    f"{SHARDS_DIR}/{self.name}/{_data_file(name, array.ndim)}") from error
 
     def samples_in(self, start: int, stop: int) -> list[str]:
         """Ids of the samples with tokens in [start, stop)."""
@@ -102,11 +141,12 @@ class _OpenShard:
         return self.sample_ids[max(first, 0):last]
 
 
-def _entry_of(folder: Path) -> ShardEntry:
-    """A shard's manifest entry, read from the shard itself."""
+def _entry_of(folder: Path, metadata_sha256: Mapping[str, str] | None = None) -> ShardEntry:
+    """A shard's manifest entry, read from the shard itself, recording the given metadata hashes."""
     shard = _OpenShard(folder)
     return ShardEntry(name=folder.name, sample_ids=shard.sample_ids,
-                      num_tokens=np.diff(shard.offsets).tolist(), nbytes=_nbytes_on_disk(folder))
+                      num_tokens=np.diff(shard.offsets).tolist(), nbytes=_nbytes_on_disk(folder),
+                      metadata_sha256=dict(metadata_sha256 or {}))
 
 
 def _store_index(path: Path) -> tuple[list[ShardEntry], list[Problem]]:
@@ -120,17 +160,22 @@ def _store_index(path: Path) -> tuple[list[ShardEntry], list[Problem]]:
         try:
             entries.append(_entry_of(path / SHARDS_DIR / name))
         except ShardCorruptError as error:
-            problems.append(Problem(name, error.array, error.sample_ids, str(error)))
+            problems.append(_problem(error))
     return entries, problems
 
 
 class StoreReader:
-    """The committed samples of a store, as torch tensors; the only door of stage 2 to stage 1."""
+    """The committed samples of a store, as torch tensors; the only door of stage 2 to stage 1.
+
+    Opening raises StoreCorruptError naming a damaged store.json or manifest; reading a sample,
+    ShardCorruptError naming the damaged shard file. Nothing damaged is returned as data.
+    """
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.meta = read_store_meta(self.path)
         self._entries, self._index_problems = _store_index(self.path)
+        self._by_name = {entry.name: entry for entry in self._entries}
         self._refs = [SampleRef(entry.name, sample_id, i, tokens) for entry in self._entries
                       for i, (sample_id, tokens) in enumerate(zip(entry.sample_ids, entry.num_tokens))]
         self._open: OrderedDict[str, _OpenShard] = OrderedDict()
@@ -217,7 +262,7 @@ class StoreReader:
         if name in self._open:
             self._open.move_to_end(name)
             return self._open[name]
-        shard = _OpenShard(self.path / SHARDS_DIR / name)
+        shard = _OpenShard(self.path / SHARDS_DIR / name, self._by_name.get(name))
         self._open[name] = shard
         if len(self._open) > _OPEN_SHARDS:
             self._open.popitem(last=False)
@@ -245,10 +290,9 @@ def _verify_shard(folder: Path, meta: Mapping[str, Any], entry: ShardEntry | Non
                   ) -> list[Problem]:
     """Metadata against store.json, shapes against the offsets, and every chunk's checksum."""
     try:
-        shard = _OpenShard(folder)
+        shard = _OpenShard(folder, entry)
     except ShardCorruptError as error:
-        ids = entry.sample_ids if entry else error.sample_ids
-        return [Problem(folder.name, error.array, tuple(ids), str(error))]
+        return [_problem(error, entry.sample_ids if entry else None)]
     problems = _metadata_problems(shard, meta, entry)
     for name in _expected_arrays(meta["storage"]["mode"]):
         problems += _chunk_problems(shard, name)
@@ -294,5 +338,5 @@ def _chunk_problems(shard: _OpenShard, name: str) -> list[Problem]:
         except ShardCorruptError as error:
             problems.append(Problem(shard.name, name, tuple(covered),
                                     f"chunk of rows {start}:{stop} is unreadable: "
-                                    f"{error.__cause__ or error}"))
+                                    f"{error.__cause__ or error}", error.file))
     return problems

@@ -1,7 +1,9 @@
 """Writing a store: `StoreWriter` commits one rank's samples a shard at a time and resumes after a
-crash; `dist_env` and `rank_of` say which rank this is and which samples it owns."""
+crash; `dist_env` and `rank_of` say which rank this is and which samples it owns;
+`StoreWriteError` is a disk that refused a write (full, over quota, read-only)."""
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -10,19 +12,20 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
 
 from infra import failpoint
 from store.durable import (Manifest, ShardEntry, _all_manifests, _committed_shards, _fsync_dir, _fsync_tree,
-                           _load_manifest, _lock_rank, _manifest_path, _nbytes_on_disk, _write_manifest)
+                           _load_manifest, _lock_rank, _manifest_path, _metadata_sha256, _nbytes_on_disk,
+                           _write_manifest)
 from store.format import (AUX, AUX_SCALE, CORRUPT_PREFIX, FINAL, FORMAT_VERSION, INPUT_IDS, LOSS_MASK,
                           MANIFEST_DIR, OFFSETS, SHARDS_DIR, TMP_PREFIX, StorageSettings, _shard_index,
                           _shard_rank, _write_shard, encode_bf16, encode_fp8, shard_name)
 from store.identity import LEGACY_AUX_CAPTURE, _create_or_check_meta, _store_meta
-from store.reader import Problem, ShardCorruptError, _entry_of, _store_index, _verify_shard
+from store.reader import ShardCorruptError, _entry_of, _problem, _store_index, _verify_shard
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +52,34 @@ def rank_of(sample_id: str, world_size: int) -> int:
     order of the data nor on which samples an earlier run already wrote."""
     digest = hashlib.blake2b(sample_id.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % world_size
+
+
+class StoreWriteError(OSError):
+    """The store's disk refused a write: full (ENOSPC), over quota (EDQUOT), read-only (EROFS), not
+    permitted (EACCES, EPERM), or the store's path cannot be a folder. What was committed before
+    is kept; once the cause is fixed, rerunning the same command resumes the store."""
+
+    def __init__(self, code: int, message: str, store: Path):
+        super().__init__(code, message)
+        self.store = store
+
+
+def _cause(error: OSError) -> str:
+    return (error.strerror or str(error)) + (f": {error.filename}" if error.filename else "")
+
+
+def _remedy(code: int | None) -> str:
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return "free space on its disk (or raise the quota)"
+    if code in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return "make its folder writable"
+    if code in (errno.ENOTDIR, errno.EEXIST):
+        return "move the file that stands where a folder of the store path must be"
+    return "fix the cause named above"
+
+
+def _shards(n: int) -> str:
+    return f"{n} shard" + ("" if n == 1 else "s")
 
 
 @dataclass
@@ -88,27 +119,45 @@ class StoreWriter:
         self.path = Path(path)
         self.rank, self.world_size = dist_env(rank, world_size)
         self.storage = StorageSettings.from_cfg(storage_cfg)
-        for folder in (self.path, self.path / SHARDS_DIR, self.path / MANIFEST_DIR):
-            folder.mkdir(parents=True, exist_ok=True)
         wanted = _store_meta(identity, aux_layer_ids, aux_convention, aux_capture, self.storage,
                              dump_cfg)
-        self.meta = _create_or_check_meta(self.path, wanted)
-        self._lock = _lock_rank(self.path, self.rank)
         # This run's settings go into its shards (the same as store.json where it matters).
         self._shard_attributes = {k: v for k, v in wanted.items() if k != "format_version"}
         self.hidden_size = int(wanted["verifier"]["hidden_size"])
         self.vocab_size = int(wanted["verifier"]["vocab_size"])
         self.num_aux = len(wanted["aux_layer_ids"])
         self.stats = WriterStats()
-        self._manifest = self._recover()
-        self._done = _done_ids(self.path)
+        self._lock: IO[bytes] | None = None
+        try:
+            self._open(wanted)
+        except BaseException as error:
+            if self._lock is not None:
+                self._lock.close()
+            if isinstance(error, OSError) and not isinstance(error, StoreWriteError):
+                raise StoreWriteError(error.errno or errno.EIO, self._open_failure(error),
+                                      self.path) from error
+            raise
         self._next_index = 1 + max((_shard_index(s.name) for s in self._manifest.shards), default=-1)
         self._pending: list[_Pending] = []
         self._pending_ids: set[str] = set()
         self._pending_bytes = 0
         self._closed = False
 
-    # -- resume ---------------------------------------------------------------------------------
+    # -- opening and resuming ------------------------------------------------------------------
+
+    def _open(self, wanted: dict[str, Any]) -> None:
+        """The store's folders, its store.json (created or checked), this rank's lock, and its
+        manifest, made to agree with its shards on disk."""
+        for folder in (self.path, self.path / SHARDS_DIR, self.path / MANIFEST_DIR):
+            folder.mkdir(parents=True, exist_ok=True)
+        self.meta = _create_or_check_meta(self.path, wanted)
+        self._lock = _lock_rank(self.path, self.rank)
+        self._manifest = self._recover()
+        self._done = _done_ids(self.path)
+
+    def _open_failure(self, error: OSError) -> str:
+        return (f"cannot write the store at {self.path}: {_cause(error)}. To write it there, "
+                f"{_remedy(error.errno)}, or give another store path; then rerun the same command")
 
     def _recover(self) -> Manifest:
         """This rank's manifest, made to agree with its committed shards on disk."""
@@ -140,10 +189,11 @@ class StoreWriter:
         """A shard committed just before a crash, before the manifest caught up with it."""
         folder = self.path / SHARDS_DIR / name
         try:
-            entry = _entry_of(folder)
-            problems = _verify_shard(folder, self.meta)
+            # Hashed first, then verified against that hash: what is verified is what is listed.
+            entry = _entry_of(folder, _metadata_sha256(folder))
+            problems = _verify_shard(folder, self.meta, entry)
         except ShardCorruptError as error:
-            problems = [Problem(name, error.array, error.sample_ids, str(error))]
+            problems = [_problem(error)]
         if problems:
             quarantine = folder.with_name(f"{CORRUPT_PREFIX}{uuid.uuid4().hex[:8]}-{name}")
             os.rename(folder, quarantine)
@@ -253,25 +303,65 @@ class StoreWriter:
         return arrays
 
     def _commit(self) -> None:
-        """Write the buffered samples as one shard: tmp folder, fsync, rename, then manifest."""
+        """Write the buffered samples as one shard: tmp folder, fsync, rename (the commit point),
+        then the manifest. A write the disk refuses stops the writer with StoreWriteError."""
         name = shard_name(self.rank, self._next_index)
         final_folder = self.path / SHARDS_DIR / name
         tmp_folder = final_folder.with_name(TMP_PREFIX + name)
         arrays = _concatenate(self._pending)
-        sample_ids = [p.sample_id for p in self._pending]
-        attributes = {"format_version": FORMAT_VERSION, "shard": name, "rank": self.rank,
-                      "sample_ids": sample_ids, **self._shard_attributes}
-        _write_shard(tmp_folder, arrays, attributes, self.storage)
-        _fsync_tree(tmp_folder)
-        failpoint("store.shard.before_rename")
-        os.rename(tmp_folder, final_folder)  # the commit point
-        _fsync_dir(final_folder.parent)
-        failpoint("store.shard.after_rename")
-        entry = ShardEntry(name, sample_ids, np.diff(arrays[OFFSETS]).tolist(),
-                           _nbytes_on_disk(final_folder))
-        self._manifest.shards.append(entry)
-        _write_manifest(self.path, self._manifest)
+        try:
+            metadata = self._write_tmp_shard(tmp_folder, arrays)
+            failpoint("store.shard.before_rename")
+            os.rename(tmp_folder, final_folder)  # the commit point
+        except OSError as error:
+            shutil.rmtree(tmp_folder, ignore_errors=True)  # gives back the space it took
+            raise self._stop(error, name, committed=False) from error
+        entry = ShardEntry(name, [p.sample_id for p in self._pending],
+                           np.diff(arrays[OFFSETS]).tolist(), 0, metadata)
+        try:
+            _fsync_dir(final_folder.parent)
+            failpoint("store.shard.after_rename")
+            entry.nbytes = _nbytes_on_disk(final_folder)
+            self._manifest.shards.append(entry)
+            _write_manifest(self.path, self._manifest)
+        except OSError as error:
+            raise self._stop(error, name, committed=True) from error
         self._after_commit(entry)
+
+    def _write_tmp_shard(self, folder: Path, arrays: Mapping[str, np.ndarray]) -> dict[str, str]:
+        """The shard written and flushed under its tmp name; the sha256 of its zarr.json files."""
+        name = folder.name.removeprefix(TMP_PREFIX)
+        attributes = {"format_version": FORMAT_VERSION, "shard": name, "rank": self.rank,
+                      "sample_ids": [p.sample_id for p in self._pending], **self._shard_attributes}
+        _write_shard(folder, arrays, attributes, self.storage)
+        _fsync_tree(folder)
+        return _metadata_sha256(folder)
+
+    def _stop(self, error: OSError, shard: str | None, committed: bool) -> StoreWriteError:
+        """The writer closed after a failed write, and the error that says what is kept."""
+        self._closed = True
+        if self._lock is not None:
+            self._lock.close()
+        return StoreWriteError(error.errno or errno.EIO, self._write_failure(error, shard, committed),
+                               self.path)
+
+    def _write_failure(self, error: OSError, shard: str | None, committed: bool) -> str:
+        cause, n = _cause(error), len(self._pending)
+        if not committed:
+            what = (f"shard {shard} was not committed ({cause}): its {n} samples are not in the "
+                    "store and are written again on resume")
+        elif shard is not None:
+            what = (f"shard {shard} ({n} samples) is committed, but the manifest of rank "
+                    f"{self.rank} could not be rewritten ({cause}); the shard is verified and "
+                    "listed on resume")
+        else:
+            what = (f"the manifest of rank {self.rank} could not be rewritten ({cause}); the "
+                    "samples rejected since its last write are tried again on resume")
+        kept = [s for s in self._manifest.shards if s.name != shard]
+        return (f"store {self.path}: {what}. Everything committed before is kept ("
+                f"{_shards(len(kept))}, {sum(len(s.sample_ids) for s in kept)} samples). To resume, "
+                f"{_remedy(error.errno)} and rerun the same command: it continues after the last "
+                "committed shard")
 
     def _after_commit(self, entry: ShardEntry) -> None:
         self.stats.samples += len(entry.sample_ids)
@@ -286,12 +376,18 @@ class StoreWriter:
         """Commit the last, partial shard and record rejections; the writer cannot add after."""
         if self._closed:
             return self.stats
-        if self._pending:
-            self._commit()
-        elif self.stats.rejected:
-            _write_manifest(self.path, self._manifest)
-        self._closed = True
-        self._lock.close()  # releases the rank's lock
+        try:
+            if self._pending:
+                self._commit()
+            elif self.stats.rejected:
+                try:
+                    _write_manifest(self.path, self._manifest)
+                except OSError as error:
+                    raise self._stop(error, None, committed=True) from error
+        finally:  # a failed last commit leaves the store as a crash would, and frees the rank
+            self._closed = True
+            if self._lock is not None:
+                self._lock.close()  # releases the rank's lock
         return self.stats
 
     def __enter__(self) -> StoreWriter:
@@ -301,12 +397,15 @@ class StoreWriter:
         if error_type is None:
             self.close()
             return
+        if self._closed:  # stopped by its own StoreWriteError, which says it all
+            return
         # The caller failed between two of the points where it lets a shard end: leave the store
         # as a crash would, so that a resumed run redoes exactly the uncommitted samples.
         logger.warning("store %s: %d buffered samples not committed after %s", self.path,
                        len(self._pending), error_type.__name__)
         self._closed = True
-        self._lock.close()
+        if self._lock is not None:
+            self._lock.close()
 
 
 def _rejection(ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor) -> str | None:

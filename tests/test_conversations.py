@@ -54,7 +54,7 @@ MESSAGES_BAD = [
     (10, "chat-noanswer", "no assistant turn"),
     (11, "chat-first", "first turn not user"),
     (12, "chat-alternate", "turns do not alternate"),
-    (13, None, "wrong nesting"),
+    (13, None, "bad id"),
 ]
 
 
@@ -296,8 +296,8 @@ def test_stats_accumulate_over_reads():
     list(read_messages_jsonl(MESSAGES_FIXTURE, "skip", stats))
     list(read_sharegpt(SHAREGPT_FIXTURE, "skip", stats))
     assert stats.read == 5
-    assert stats.reasons["wrong nesting"] == 4 + 4
-    assert stats.summary().startswith("read 5, skipped 21 (wrong nesting: 8")
+    assert stats.reasons["wrong nesting"] == 3 + 4
+    assert stats.summary().startswith("read 5, skipped 21 (wrong nesting: 7")
 
 
 def test_read_conversations_detects_the_format(tmp_path):
@@ -405,3 +405,63 @@ def test_prompt_only_records_are_read_when_no_answer_is_required(tmp_path):
     assert [c.id for c in prompts] == ["p1", "p2"]
     assert [m.role for m in prompts[1].messages] == ["system", "user"]
     assert dict(stats.reasons) == {"no user turn": 1}
+
+
+# ---------------------------------------------------------------- duplicate ids
+
+
+def _chat(sample_id: str | None, question: str) -> dict:
+    turns = [{"role": "user", "content": question}, {"role": "assistant", "content": "ok"}]
+    return {"messages": turns} if sample_id is None else {"id": sample_id, "messages": turns}
+
+
+def _jsonl(path: pathlib.Path, records: list) -> pathlib.Path:
+    return _write(path, "".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_duplicate_ids_keep_the_first_and_name_both_lines(tmp_path):
+    # Line 4 has no id and falls back to "chats:4", which line 6 then declares.
+    records = [_chat("a", "q1"), _chat("b", "q2"), _chat("a", "q3"), _chat(None, "q4"),
+               _chat("a", "q5"), _chat("chats:4", "q6")]
+    path = _jsonl(tmp_path / "chats.jsonl", records)
+
+    stats = ReadStats()
+    kept = list(read_messages_jsonl(path, "skip", stats))
+    assert [(c.id, c.messages[0].content, c.origin) for c in kept] == [
+        ("a", "q1", "chats.jsonl:1"), ("b", "q2", "chats.jsonl:2"), ("chats:4", "q4", "chats.jsonl:4")]
+    assert (stats.read, stats.skipped, dict(stats.reasons)) == (3, 3, {"duplicate id": 3})
+    assert [str(e) for e in stats.errors] == [
+        "chats.jsonl:3 (sample a): duplicate id 'a': first at chats.jsonl:1, which is kept",
+        "chats.jsonl:5 (sample a): duplicate id 'a': first at chats.jsonl:1, which is kept",
+        "chats.jsonl:6 (sample chats:4): duplicate id 'chats:4': first at chats.jsonl:4, which is kept",
+    ]
+    with pytest.raises(RecordError) as raised:
+        list(read_messages_jsonl(path))
+    assert _where(raised.value) == (path, 3, "a", "duplicate id")
+
+
+def test_a_bad_record_does_not_take_its_id(tmp_path):
+    bad = {"id": "c", "messages": "not a list"}
+    path = _jsonl(tmp_path / "chats.jsonl", [bad, _chat("c", "q2"), _chat(7, "q3"), _chat("7", "q4")])
+    stats = ReadStats()
+    assert [(c.id, c.origin) for c in read_messages_jsonl(path, "skip", stats)] == [
+        ("c", "chats.jsonl:2"), ("7", "chats.jsonl:3")]
+    assert dict(stats.reasons) == {"wrong nesting": 1, "duplicate id": 1}
+
+
+def test_duplicate_ids_in_a_one_line_array(tmp_path):
+    turns = [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b"}]
+    records = [{"id": "x", "conversations": turns}, {"id": "y", "conversations": turns},
+               {"id": "x", "conversations": turns}]
+    path = _write(tmp_path / "array.json", json.dumps(records))
+    stats = ReadStats()
+    assert [c.id for c in read_sharegpt(path, "skip", stats)] == ["x", "y"]
+    assert [(e.line, e.sample_id, e.reason) for e in stats.errors] == [(1, "x", "duplicate id")]
+
+
+def test_read_stats_name_the_first_skipped_records_and_count_the_rest(tmp_path, monkeypatch):
+    monkeypatch.setattr("data.conversations._MAX_NAMED_SKIPS", 2)
+    stats = ReadStats()
+    list(read_messages_jsonl(MESSAGES_FIXTURE, "skip", stats))
+    assert stats.skipped == len(MESSAGES_BAD)
+    assert [(e.line, e.reason) for e in stats.errors] == [(3, "bad json"), (4, "wrong nesting")]

@@ -2,11 +2,8 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from itertools import islice
 from pathlib import Path
 
@@ -143,46 +140,3 @@ def test_regeneration_is_the_verifiers_own_and_reproducible(verifier_llm, kimi_t
         assert len(new.messages) % 2 == 0 or new.messages[0].role == "system"
 
 
-def _dump_process(out: Path, data_file: Path) -> subprocess.Popen:
-    args = [f"output_dir={out}", "data=jsonl", f"data.path={data_file}", "max_len=512",
-            "batch_size=2", "store.shard_bytes=1", "regenerate.max_tokens=16",
-            f"hydra.run.dir={out.parent / (out.name + '-hydra')}"]
-    # A session of its own, so the kill reaches vLLM's engine process too.
-    return subprocess.Popen([sys.executable, "-m", "dump", *args], cwd=REPO_ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-
-def _store_contents(path: Path) -> dict[str, tuple[np.ndarray, ...]]:
-    reader = StoreReader(path)
-    out = {}
-    for ref in reader.samples():
-        s = reader.read_sample(ref)
-        out[ref.sample_id] = (np.asarray(s.input_ids), np.asarray(s.loss_mask),
-                              s.aux.float().numpy(), s.final.float().numpy())
-    return out
-
-
-@pytest.mark.slow
-def test_sigkill_mid_dump_then_resume_equals_an_uninterrupted_dump(tmp_path: Path,
-                                                                  conversations_file: Path) -> None:
-    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
-    assert _dump_process(reference, conversations_file).wait(timeout=600) == 0
-
-    proc = _dump_process(resumed, conversations_file)
-    deadline = time.time() + 600
-    while not list(resumed.glob("shards/r*.zarr")):  # the first committed shard
-        assert proc.poll() is None, "the dump ended before it could be killed"
-        assert time.time() < deadline
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    first_pass = len(StoreReader(resumed).samples())
-    assert 0 < first_pass < 6, first_pass
-
-    assert _dump_process(resumed, conversations_file).wait(timeout=600) == 0
-    want, got = _store_contents(reference), _store_contents(resumed)
-    assert sorted(got) == sorted(want) and len(got) == 6
-    for sample_id, arrays in want.items():
-        for a, b in zip(arrays, got[sample_id]):
-            np.testing.assert_array_equal(a, b)

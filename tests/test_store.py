@@ -2,14 +2,9 @@
 from __future__ import annotations
 
 import json
-import os
-import random
-import signal
 import struct
-import subprocess
-import sys
-import time
 import zlib
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +13,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from infra import REPO_ROOT, compose_config
+from infra import compose_config
 from store import (
     AUX,
+    MANIFEST_DIR,
     SHARDS_DIR,
     STORE_META,
     ShardCorruptError,
+    StoreCorruptError,
     StoreMismatchError,
     StoreReader,
     StoreWriter,
@@ -34,8 +31,10 @@ from store import (
     format_inspect,
     inspect_store,
     rank_of,
+    read_store_meta,
     verifier_identity,
 )
+from store.durable import _read_manifest, _write_manifest
 
 H, N_AUX, VOCAB = 32, 3, 1000
 AUX_IDS = [2, 4, 5]
@@ -214,7 +213,7 @@ def test_resume_with_other_settings_is_refused(tmp_path: Path) -> None:
 def test_aux_capture_is_recorded_shown_and_must_match_on_resume(tmp_path: Path) -> None:
     with open_writer(tmp_path, aux_capture="prefix_only") as writer:
         writer.add(IDS[0], **make_sample(IDS[0]))
-    assert json.loads((tmp_path / STORE_META).read_text())["aux_capture"] == "prefix_only"
+    assert read_store_meta(tmp_path)["aux_capture"] == "prefix_only"
     assert StoreReader(tmp_path).aux_capture == "prefix_only"
     report = inspect_store(tmp_path)
     assert report["aux_capture"] == "prefix_only" and report["problems"] == []
@@ -226,28 +225,65 @@ def test_aux_capture_is_recorded_shown_and_must_match_on_resume(tmp_path: Path) 
         open_writer(tmp_path / "other", aux_capture="post_norm")
 
 
-def _drop_aux_capture(meta_file: Path, key_path: tuple[str, ...] = ()) -> None:
-    """Remove aux_capture from a JSON file (at key_path inside it), as code before the key wrote."""
-    data = json.loads(meta_file.read_text())
-    node = data
-    for key in key_path:
-        node = node[key]
-    del node["aux_capture"]
-    meta_file.write_text(json.dumps(data))
+def as_format_1(path: Path) -> None:
+    """Rewrite a store as format-1 code wrote it, before store.json named the aux capture: plain
+    JSON without sha256 lines, manifest entries without metadata hashes."""
+    meta = read_store_meta(path)
+    del meta["aux_capture"]
+    (path / STORE_META).write_text(json.dumps({**meta, "format_version": 1}))
+    for file in (path / MANIFEST_DIR).glob("rank-*.json"):
+        manifest = _read_manifest(file)
+        shards = [{k: v for k, v in asdict(s).items() if k != "metadata_sha256"} for s in manifest.shards]
+        file.write_text(json.dumps({"format_version": 1, "rank": manifest.rank, "shards": shards,
+                                    "rejected": manifest.rejected}))
+    for shard in (path / SHARDS_DIR).iterdir():
+        group = json.loads((shard / "zarr.json").read_text())
+        del group["attributes"]["aux_capture"]
+        group["attributes"]["format_version"] = 1
+        (shard / "zarr.json").write_text(json.dumps(group))
 
 
-def test_store_without_aux_capture_reads_as_residual_stream(tmp_path: Path) -> None:
+def test_format_1_store_reads_as_residual_stream_and_is_not_written_to(tmp_path: Path) -> None:
     write_store(tmp_path, IDS[:6])
-    _drop_aux_capture(tmp_path / STORE_META)
-    for shard in (tmp_path / SHARDS_DIR).iterdir():
-        _drop_aux_capture(shard / "zarr.json", ("attributes",))
+    as_format_1(tmp_path)
     reader = StoreReader(tmp_path)
     assert reader.aux_capture == "residual_stream" and reader.verify() == []
-    assert "residual_stream capture" in format_inspect(inspect_store(tmp_path))
-    with pytest.raises(StoreMismatchError, match="aux_capture: store has 'residual_stream'"):
-        open_writer(tmp_path, aux_capture="prefix_only")
-    write_store(tmp_path, IDS[:12])  # this code resumes it with the mode it implies
-    assert set(read_all(tmp_path)) == set(IDS[:12]) and StoreReader(tmp_path).verify() == []
+    assert set(read_all(tmp_path)) == set(IDS[:6])
+    text = format_inspect(inspect_store(tmp_path))
+    assert "residual_stream capture" in text and "(format 1)" in text and "carry no checksum" in text
+    with pytest.raises(StoreMismatchError, match="format version 1, this code writes version 2"):
+        open_writer(tmp_path)
+
+
+def test_a_checked_json_file_without_its_sha256_line_is_not_read_as_format_1(tmp_path: Path) -> None:
+    write_store(tmp_path, IDS[:6])
+    manifest = tmp_path / MANIFEST_DIR / "rank-00000.json"
+    for file in (tmp_path / STORE_META, manifest):
+        original = file.read_bytes()
+        body = original[:original.rindex(b"\nsha256:")]
+        file.write_bytes(body)  # valid JSON, version 2, no sha256 line
+        with pytest.raises(StoreCorruptError, match=f"{file.name} is damaged: it does not end with"):
+            StoreReader(tmp_path)
+        report = inspect_store(tmp_path)
+        assert report["unreadable"] and file.name in report["problems"][0]
+        file.write_bytes(original)
+    assert StoreReader(tmp_path).verify() == []
+
+
+def test_a_damaged_manifest_stops_the_writer_and_is_rebuilt_once_moved_away(tmp_path: Path) -> None:
+    write_store(tmp_path, IDS[:12])
+    manifest = tmp_path / MANIFEST_DIR / "rank-00000.json"
+    before = _read_manifest(manifest)
+    data = bytearray(manifest.read_bytes())
+    data[40] ^= 0x08
+    manifest.write_bytes(bytes(data))
+    with pytest.raises(StoreCorruptError, match=f"{manifest} is damaged: .* move it away and rerun"):
+        open_writer(tmp_path)
+    manifest.rename(tmp_path / "damaged-manifest.json")  # as its message says
+    writer = write_store(tmp_path, IDS)
+    assert writer.stats.adopted == [s.name for s in before.shards]
+    assert _read_manifest(manifest).shards[:len(before.shards)] == before.shards  # hashes too
+    assert set(read_all(tmp_path)) == set(IDS) and StoreReader(tmp_path).verify() == []
 
 
 def test_two_ranks_write_disjoint_shards_of_one_store(tmp_path: Path) -> None:
@@ -313,10 +349,9 @@ def test_crash_between_rename_and_manifest_and_mid_shard(tmp_path: Path) -> None
     """The two crash windows, made by hand: a committed shard its manifest does not list yet,
     and a half-written .tmp shard."""
     write_store(tmp_path, IDS[:12])
-    manifest_file = tmp_path / "manifest/rank-00000.json"
-    manifest = json.loads(manifest_file.read_text())
-    orphan = manifest["shards"].pop()  # as if killed between the rename and the manifest
-    manifest_file.write_text(json.dumps(manifest))
+    manifest = _read_manifest(tmp_path / "manifest/rank-00000.json")
+    orphan = asdict(manifest.shards.pop())  # as if killed between the rename and the manifest
+    _write_manifest(tmp_path, manifest)
     half = tmp_path / SHARDS_DIR / ".tmp-r00000-000099.zarr"
     (half / "aux_hidden").mkdir(parents=True)
     (half / "aux_hidden/zarr.json").write_text('{"zarr_fo')
@@ -326,59 +361,11 @@ def test_crash_between_rename_and_manifest_and_mid_shard(tmp_path: Path) -> None
     assert writer.stats.removed_tmp == [half.name] and not half.exists()
     assert set(orphan["sample_ids"]) <= writer.done_sample_ids()
     writer.close()
+    adopted = next(s for s in _read_manifest(tmp_path / "manifest/rank-00000.json").shards
+                   if s.name == orphan["name"])
+    assert adopted.metadata_sha256 == orphan["metadata_sha256"]  # hashed as at its commit
     write_store(tmp_path, IDS)
     assert set(read_all(tmp_path)) == set(IDS)
-
-
-# A writer process for the SIGKILL test: writes IDS_KILL slowly, resuming what is there.
-IDS_KILL = [f"k{i:03d}" for i in range(48)]
-
-
-def _writer_process(path: str) -> None:
-    with open_writer(Path(path)) as writer:
-        for sample_id in IDS_KILL:
-            if sample_id not in writer.done_sample_ids():
-                writer.add(sample_id, **make_sample(sample_id))
-                writer.commit_if_full()
-                time.sleep(0.01)  # slow enough to be killed in the middle of the work
-
-
-def _start_and_kill(path: Path, rng: random.Random) -> None:
-    """Start a writer process; SIGKILL it at a random moment after its first commit."""
-    code = f"from tests.test_store import _writer_process; _writer_process({str(path)!r})"
-    manifest = path / "manifest/rank-00000.json"
-    before = len(json.loads(manifest.read_text())["shards"]) if manifest.exists() else 0
-    process = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT)
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and process.poll() is None:
-            if manifest.exists() and len(json.loads(manifest.read_text())["shards"]) > before:
-                break
-            time.sleep(0.005)
-        time.sleep(rng.uniform(0, 0.15))
-        os.kill(process.pid, signal.SIGKILL)
-    finally:
-        process.wait()
-    assert process.returncode == -signal.SIGKILL, "the writer finished before it was killed"
-
-
-def test_sigkill_at_any_moment_loses_and_duplicates_nothing(tmp_path: Path) -> None:
-    reference = read_all(write_store(tmp_path / "reference", IDS_KILL).path)
-    crashed = tmp_path / "crashed"
-    rng = random.Random(0)
-    for _ in range(2):
-        _start_and_kill(crashed, rng)
-        reader = StoreReader(crashed)  # what a reader sees right after a crash: complete shards
-        assert all(not e.name.startswith(".") for e in reader.shards())
-        assert reader.verify() == []
-    assert 0 < len(StoreReader(crashed)) < len(IDS_KILL)  # killed with work done and left
-    write_store(crashed, IDS_KILL)  # the rerun
-    resumed = read_all(crashed)
-    assert list(resumed) == sorted(resumed) and set(resumed) == set(reference)
-    for sample_id, sample in resumed.items():
-        for name in ("input_ids", "loss_mask", "aux", "final"):
-            assert torch.equal(getattr(sample, name), getattr(reference[sample_id], name))
-    assert not list((crashed / SHARDS_DIR).glob(".tmp-*"))
 
 
 def _flip_byte_in_chunk(array_file: Path, n_chunks: int, chunk: int) -> None:

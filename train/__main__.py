@@ -1,6 +1,7 @@
 """`python -m train [hydra overrides]` trains a draft; `python -m train export <checkpoint> [out]`
 exports any DeepSpeed checkpoint of a run as a vLLM draft folder; `python -m train plan [hydra
-overrides] [plan.world_size=N] [--json FILE]` prints the per-rank memory plan (train/plan.py).
+overrides] [plan.world_size=N] [--json FILE]` prints the per-rank memory plan (train/plan.py);
+`python -m train verify-checkpoint <checkpoint>` checks its files against complete.json.
 
     python -m train                                      kimi-tiny on `make dump`'s store
     python -m train train.steps=50 deepspeed=zero3       any value of conf/train.yaml
@@ -77,7 +78,26 @@ def export_main(argv: list[str]) -> int:
     return 0
 
 
+def verify_main(argv: list[str]) -> int:
+    """Check a checkpoint folder's files against its complete.json (sizes and sha256)."""
+    from train.engine import CheckpointError, verify_checkpoint
+
+    parser = argparse.ArgumentParser(prog="python -m train verify-checkpoint",
+                                     description="Verify a training checkpoint's files.")
+    parser.add_argument("checkpoint", type=Path, help="a checkpoint folder (<run>/checkpoints/step-N)")
+    folder = parser.parse_args(argv).checkpoint
+    try:
+        marker = verify_checkpoint(folder)
+    except CheckpointError as error:
+        print(error, file=sys.stderr)
+        return 1
+    print(f"{folder}: step {marker['step']}, {len(marker['files'])} files verified")
+    return 0
+
+
 if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "verify-checkpoint":
+        sys.exit(verify_main(sys.argv[2:]))
     if len(sys.argv) > 1 and sys.argv[1] == "export":
         sys.exit(export_main(sys.argv[2:]))
     if len(sys.argv) > 1 and sys.argv[1] == "plan":

@@ -14,10 +14,14 @@ Launching (see also the Makefile's `train` target):
         run folder is the one all ranks write checkpoints into.
 
 Checkpoints: <run dir>/checkpoints/step-XXXXXXXX/ (DeepSpeed's files plus complete.json, written
-by rank 0 once every rank has saved: only such a checkpoint is ever resumed from).
+by rank 0 once every rank has saved). complete.json records every file of the folder (relative
+path: bytes and sha256) and seals itself with the sha256 of its own canonical JSON
+(marker_sha256); a checkpoint is resumed from only when the marker and every file it lists
+verify, so a partial save, a truncated file or a flipped bit is refused by name, never loaded.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -26,13 +30,13 @@ import shutil
 import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from infra import failpoint
+from infra import FAILPOINTS_ENV, failpoint
 from model.draft import DraftConfig, Eagle3Draft
 from train.objective import Eagle3Objective
 
@@ -40,11 +44,20 @@ logger = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
 COMPLETE = "complete.json"
+MARKER_FORMAT = 1
+_MARKER_TMP = f".{COMPLETE}.tmp"
+_SEAL = "marker_sha256"
 _TAG_PREFIX = "step-"
+_CHUNK = 1 << 24
+T = TypeVar("T")
 
 
 class NonFiniteLossError(RuntimeError):
     """The loss became NaN or Inf: the run stops before the optimizer step, saving nothing."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that must not be loaded: its save did not finish, or a file changed since."""
 
 
 # ---- process group -------------------------------------------------------------------------
@@ -160,55 +173,220 @@ def tag_of(step: int) -> str:
     return f"{_TAG_PREFIX}{step:08d}"
 
 
+def on_rank0(compute: Callable[[], T]) -> T:
+    """compute() on rank 0 only, its value (or its exception) on every rank: a decision that
+    reads the shared run folder is taken once, and a refusal stops all ranks together."""
+    value, error = None, None
+    if dist.get_rank() == 0:
+        try:
+            value = compute()
+        except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+            error = e
+    value, error = broadcast_object((value, error))
+    if error is not None:
+        raise error
+    return value
+
+
 def complete_checkpoints(root: Path) -> list[Path]:
-    """Checkpoint folders under root whose every rank finished saving, oldest first."""
+    """Checkpoint folders under root that have a completion marker, oldest first (the marker's
+    contents are not checked here: see verify_checkpoint)."""
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.name.startswith(_TAG_PREFIX) and (p / COMPLETE).is_file()]
     return sorted(found, key=lambda p: p.name)
 
 
-def resolve_resume(resume: str | None, root: Path) -> Path | None:
-    """train.resume -> the checkpoint folder to load, or None for a fresh start.
+def _digest(path: Path) -> tuple[int, str]:
+    """(bytes, sha256) of a file, whose data is also flushed to disk: the marker that records
+    it may only exist once what it vouches for would survive a power loss."""
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+        os.fsync(f.fileno())
+    return size, h.hexdigest()
 
-    null / "never": fresh; "auto": the newest complete checkpoint under root, fresh if none;
-    a path: that checkpoint folder, or the newest complete one in that checkpoints folder or run.
-    """
+
+def _seal(body: dict[str, Any]) -> bytes:
+    """The marker's bytes: body plus the hash of its canonical JSON. Reading back requires these
+    exact bytes, so a change of any byte is seen, whitespace included."""
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    sealed = {**body, _SEAL: hashlib.sha256(canonical).hexdigest()}
+    return (json.dumps(sealed, sort_keys=True, indent=1) + "\n").encode()
+
+
+def _write_marker(folder: Path, record: dict[str, Any]) -> None:
+    files = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith((COMPLETE, _MARKER_TMP))):
+        size, digest = _digest(path)
+        files[path.relative_to(folder).as_posix()] = {"bytes": size, "sha256": digest}
+    tmp = folder / _MARKER_TMP
+    with open(tmp, "wb") as f:
+        f.write(_seal({"format": MARKER_FORMAT, **record, "files": files}))
+        f.flush()
+        os.fsync(f.fileno())
+    failpoint("train.checkpoint.marker_unrenamed")
+    os.replace(tmp, folder / COMPLETE)                    # the checkpoint exists from here on
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _read_marker(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(marker, None), or (None, what is wrong with complete.json)."""
+    try:
+        raw = (folder / COMPLETE).read_bytes()
+    except FileNotFoundError:
+        return None, f"file {COMPLETE} is missing: the save did not finish (a partial checkpoint)"
+    try:
+        marker = json.loads(raw)
+    except ValueError as e:
+        return None, f"file {COMPLETE} is not valid JSON ({e})"
+    if not isinstance(marker, dict) or _SEAL not in marker:
+        return None, (f"file {COMPLETE} carries no {_SEAL} (damaged, or written by an older version "
+                      "that recorded no file hashes)")
+    if _seal({k: v for k, v in marker.items() if k != _SEAL}) != raw:
+        return None, f"file {COMPLETE} does not match its own checksum ({_SEAL}): it changed after the save"
+    return marker, None
+
+
+def checkpoint_problem(folder: Path) -> str | None:
+    """What keeps a checkpoint folder from loading, or None: its marker must be intact and every
+    file it lists must still have the recorded size and sha256 (files it does not list, such as
+    an export written into the folder later, are not its concern)."""
+    marker, problem = _read_marker(folder)
+    if marker is None:
+        return problem
+    for rel, want in marker["files"].items():
+        path = folder / rel
+        if not path.is_file():
+            return f"file {rel} is missing ({COMPLETE} lists it with {want['bytes']} bytes)"
+        if path.stat().st_size != want["bytes"]:
+            return f"file {rel} has {path.stat().st_size} bytes, {COMPLETE} recorded {want['bytes']}"
+        size, digest = _digest(path)
+        if (size, digest) != (want["bytes"], want["sha256"]):
+            return (f"file {rel} has sha256 {digest[:16]}..., {COMPLETE} recorded {want['sha256'][:16]}...: "
+                    "its contents changed after the save")
+    return None
+
+
+def _refusal(folder: Path, problem: str) -> CheckpointError:
+    older = [p for p in complete_checkpoints(folder.parent) if p.name < folder.name]
+    previous = next((p for p in reversed(older) if checkpoint_problem(p) is None), None)
+    hint = (f"the previous complete checkpoint is {previous}; resume from it with train.resume={previous}"
+            if previous else "no earlier complete checkpoint verifies (train.resume=null starts over)")
+    return CheckpointError(f"checkpoint {folder}: {problem}; {hint}")
+
+
+def verify_checkpoint(folder: Path) -> dict[str, Any]:
+    """The marker of a checkpoint that may be loaded; CheckpointError naming the first file that
+    is missing, resized or changed, and the newest older checkpoint that verifies."""
+    problem = checkpoint_problem(folder)
+    if problem is not None:
+        raise _refusal(folder, problem)
+    return _read_marker(folder)[0] or {}
+
+
+def _newest_verified(root: Path) -> Path | None:
+    """train.resume=auto: the newest checkpoint that verifies. Newer corrupt ones are logged and
+    skipped; when checkpoints exist and none verifies it raises rather than start over."""
+    if not root.is_dir():
+        return None
+    found = complete_checkpoints(root)
+    newest = found[-1].name if found else ""
+    for partial in sorted(p for p in root.iterdir() if p.name.startswith(_TAG_PREFIX) and p.name > newest
+                          and not (p / COMPLETE).exists()):
+        logger.warning("checkpoint %s has no %s (its save did not finish): not resumed from", partial, COMPLETE)
+    skipped = []
+    for folder in reversed(found):
+        problem = checkpoint_problem(folder)
+        if problem is None:
+            return folder
+        logger.error("checkpoint %s: %s; skipped, trying an older one", folder, problem)
+        skipped.append(f"{folder.name}: {problem}")
+    if skipped:
+        raise CheckpointError(
+            f"train.resume=auto: none of the {len(found)} complete checkpoints under {root} verifies "
+            f"({'; '.join(skipped)}); not starting over from scratch: move them aside or set "
+            "train.resume=null to train from the beginning")
+    return None
+
+
+def resolve_resume(resume: str | None, root: Path) -> Path | None:
+    """train.resume -> the verified checkpoint folder to load, or None for a fresh start.
+
+    null / "never": fresh; "auto": the newest checkpoint under root that verifies, fresh if there
+    is none; a path: that checkpoint folder, or the newest complete one in that checkpoints
+    folder or run, which must verify. A checkpoint without its marker is never returned."""
     if resume in (None, "never", False):
         return None
     if resume == "auto":
-        found = complete_checkpoints(root)
-        return found[-1] if found else None
+        return _newest_verified(root)
     path = Path(str(resume))
-    if (path / COMPLETE).is_file():
+    if (path / COMPLETE).exists() or (path.name.startswith(_TAG_PREFIX) and path.is_dir()):
+        verify_checkpoint(path)
         return path
     for folder in (path, path / CHECKPOINTS):
         found = complete_checkpoints(folder)
         if found:
+            verify_checkpoint(found[-1])
             return found[-1]
     raise FileNotFoundError(f"train.resume={resume}: no complete checkpoint there")
 
 
+def _failpoint_after_each_file(engine) -> None:
+    """A failpoint between the files DeepSpeed writes (model states, then optimizer states), for
+    the fault suite; installed only when failpoints are armed."""
+    ckpt = engine.checkpoint_engine
+    if FAILPOINTS_ENV not in os.environ or getattr(ckpt, "_failpoint_installed", False):
+        return
+    save = ckpt.save
+
+    def save_then_failpoint(state_dict: Any, path: str) -> None:
+        save(state_dict, path)
+        failpoint("train.checkpoint.file_saved")
+
+    ckpt.save, ckpt._failpoint_installed = save_then_failpoint, True
+
+
 def save_checkpoint(engine, root: Path, step: int, keep: int, client_state: dict[str, Any]) -> Path:
-    """Every rank saves its part; rank 0 marks the checkpoint complete, then prunes old ones."""
+    """Every rank saves its part; rank 0 then records every file's size and sha256 in the marker
+    (which makes the checkpoint complete) and prunes old checkpoints."""
     tag = tag_of(step)
+    folder = root / tag
+    if dist.get_rank() == 0 and root.is_dir():
+        # This step's folder and later ones are a killed save's leftovers or checkpoints of a
+        # trajectory this run went back from (it resumed from an older checkpoint, or a newer
+        # one did not verify): no stale file may mix with the new ones, and once this run has
+        # moved on, train.resume=auto must not pick up the abandoned trajectory again.
+        for stale in sorted(p for p in root.iterdir() if p.name.startswith(_TAG_PREFIX) and p.name >= tag):
+            if (stale / COMPLETE).exists():
+                logger.warning("removing checkpoint %s: this run is saving step %d of another trajectory", stale, step)
+            shutil.rmtree(stale)
+    dist.barrier()
+    _failpoint_after_each_file(engine)
     engine.save_checkpoint(str(root), tag=tag, client_state={"step": step, **client_state})
     dist.barrier()
     failpoint("train.checkpoint.before_marker")
-    folder = root / tag
     if dist.get_rank() == 0:
-        tmp = folder / f".{COMPLETE}.tmp"
-        tmp.write_text(json.dumps({"step": step, **client_state}) + "\n")
-        os.replace(tmp, folder / COMPLETE)                # the checkpoint exists from here on
+        _write_marker(folder, {"step": step, **client_state})
         failpoint("train.checkpoint.after_marker")
         for old in complete_checkpoints(root)[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
+        for partial in root.iterdir():                   # unfinished saves before this one
+            if partial.name.startswith(_TAG_PREFIX) and partial.name < tag and not (partial / COMPLETE).exists():
+                shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
     return folder
 
 
 def load_checkpoint(engine, folder: Path) -> int:
-    """Restore module, optimizer, lr schedule and step from a checkpoint folder; the step."""
+    """Restore module, optimizer, lr schedule and step from a checkpoint folder that
+    resolve_resume returned (hence verified); the step."""
     _, client = engine.load_checkpoint(str(folder.parent), tag=folder.name)
     if client is None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint {folder}")

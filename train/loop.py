@@ -161,7 +161,7 @@ def fit(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     setup = prepare(cfg, run_dir, world)
     t, K, accum = cfg.train, int(cfg.train.ttt.steps), int(cfg.train.grad_accum)
     ckpt_root = run_dir / E.CHECKPOINTS
-    resume_from = E.resolve_resume(t.resume, ckpt_root)
+    resume_from = E.on_rank0(lambda: E.resolve_resume(t.resume, ckpt_root))
     engine = E.initialize(build_objective(setup, cfg, resuming=resume_from is not None), cfg, setup.total_steps)
     start = E.load_checkpoint(engine, resume_from) if resume_from else 0
     if resume_from:
