@@ -38,6 +38,7 @@ from store import (
 )
 from tests.conftest import fault_points
 from tests.test_store import make_sample, open_writer, read_all, storage, write_store
+from tools.faults import store_files_by_kind
 
 pytestmark = pytest.mark.faults
 
@@ -93,20 +94,6 @@ def pristine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     return path
 
 
-def files_by_kind(store: Path) -> dict[str, list[Path]]:
-    """Every file a reader reads, relative to the store, by kind: store.json, manifest, the
-    group's zarr.json, and each array's zarr.json and data file."""
-    kinds: dict[str, list[Path]] = {STORE_META: [Path(STORE_META)],
-                                    "manifest": [p.relative_to(store) for p in
-                                                 sorted((store / MANIFEST_DIR).glob("rank-*.json"))]}
-    for file in sorted(p for p in (store / SHARDS_DIR).rglob("*") if p.is_file()):
-        parts = file.relative_to(store).parts[2:]
-        kind = "group zarr.json" if len(parts) == 1 else \
-            f"{parts[0]} {'zarr.json' if parts[-1] == 'zarr.json' else 'data'}"
-        kinds.setdefault(kind, []).append(file.relative_to(store))
-    return kinds
-
-
 def flip_byte(file: Path, offset: int, mask: int) -> None:
     data = bytearray(file.read_bytes())
     data[offset] ^= mask
@@ -154,7 +141,7 @@ def test_a_flipped_byte_in_any_file_is_named_and_never_read_as_data(
     mode = StoreReader(pristine).mode
     rng = random.Random(f"flip-{mode}")
     injected, missed = 0, []
-    kinds = {k: v for k, v in files_by_kind(pristine).items() if k.startswith(CORRUPT_KINDS[mode])}
+    kinds = {k: v for k, v in store_files_by_kind(pristine).items() if k.startswith(CORRUPT_KINDS[mode])}
     for kind, files in kinds.items():
         for _ in range(fault_points()):
             file = rng.choice(files)

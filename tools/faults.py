@@ -62,7 +62,7 @@ class CorruptionTrial:
     kind: str          # e.g. "store.json", "manifest", "final_hidden data", "aux_hidden zarr.json"
     file: str          # relative to the store
     offset: int
-    detected: bool     # inspect exited non-zero and named the file's shard (or the file)
+    detected: bool     # inspect exited non-zero and named the file
     read_as_data: bool  # a sample of the flipped shard read back without an error
 
 
@@ -120,8 +120,7 @@ def _check_flip(copy: Path, original: Path, kind: str, file: Path, offset: int) 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
         exit_code = inspect_main([str(copy), "--json"])
-    named = file.parts[1] if file.parts[0] == SHARDS_DIR else file.name
-    detected = exit_code != 0 and named in printed.getvalue()
+    detected = exit_code != 0 and file.as_posix() in printed.getvalue()
     read_as_data = file.parts[0] == SHARDS_DIR and _misread(copy, original, file.parts[1])
     return CorruptionTrial(kind, str(file), offset, detected, read_as_data)
 
