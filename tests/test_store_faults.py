@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 import infra
 from dump.__main__ import inspect_main
@@ -38,11 +37,10 @@ from store import (
 )
 from tests.conftest import fault_points
 from tests.test_store import make_sample, open_writer, read_all, storage, write_store
-from tools.faults import store_files_by_kind
+from tools.faults import differing_arrays, flip_byte, store_files_by_kind
 
 pytestmark = pytest.mark.faults
 
-TENSORS = ("input_ids", "loss_mask", "aux", "final")
 
 
 def same_store(want: Path, got: Path) -> list[str]:
@@ -59,10 +57,6 @@ def same_store(want: Path, got: Path) -> list[str]:
                         if name not in arrays[0] or name not in arrays[1]
                         or not np.array_equal(arrays[0][name][...], arrays[1][name][...])]
     return differences
-
-
-def _differing(want: Sample, got: Sample) -> list[str]:
-    return [name for name in TENSORS if not torch.equal(getattr(want, name), getattr(got, name))]
 
 
 def assert_clean(path: Path) -> None:
@@ -92,12 +86,6 @@ def pristine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     write_store(path, CORRUPT_IDS, storage(request.param, target_chunk_bytes=4096))
     assert len(StoreReader(path).shards()) == 2
     return path
-
-
-def flip_byte(file: Path, offset: int, mask: int) -> None:
-    data = bytearray(file.read_bytes())
-    data[offset] ^= mask
-    file.write_bytes(bytes(data))
 
 
 def check_flip(copy: Path, file: Path, reference: dict[str, Sample]) -> str | None:
@@ -130,7 +118,7 @@ def _check_reads(reader: StoreReader, file: Path, reference: dict[str, Sample], 
                 return f"{ref.sample_id} failed naming another file, or inspect missed it: {error}"
             failed.append(ref.sample_id)
             continue
-        if _differing(sample, reference[ref.sample_id]):
+        if differing_arrays(reference[ref.sample_id], sample):
             return f"{ref.sample_id} read back damaged data"
     return None if failed else "every sample of the shard read back"
 

@@ -27,9 +27,9 @@ import torch
 from infra import FAILPOINTS_ENV, REPO_ROOT
 from tests.conftest import fault_points
 from tests.test_train import _command, _env, _fit, _losses, _overrides, one_thread  # noqa: F401
+from tools.faults import flip_byte
 from train import engine as E
 from train.engine import COMPLETE, CheckpointError, checkpoint_problem, consolidated_checkpoint_state
-from train.metrics import read_jsonl
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
@@ -184,12 +184,6 @@ def test_chained_kills_then_resume_repeat_the_uninterrupted_run(reference: Path,
 
 
 # ---- corruption -----------------------------------------------------------------------------
-def _flip(path: Path, offset: int, mask: int) -> None:
-    data = bytearray(path.read_bytes())
-    data[offset] ^= mask
-    path.write_bytes(bytes(data))
-
-
 def test_flipped_bytes_are_refused_by_name_and_auto_falls_back(reference: Path, tmp_path: Path, train_store: Path,
                                                                draft_verifier_dir: Path, caplog, capsys) -> None:
     rng = random.Random(SEED + 1)
@@ -207,7 +201,7 @@ def test_flipped_bytes_are_refused_by_name_and_auto_falls_back(reference: Path, 
         offsets = [0, size - 1, *(rng.randrange(size) for _ in range(fault_points()))]
         for n, offset in enumerate(offsets):
             mask = rng.randrange(1, 256)
-            _flip(path, offset, mask)
+            flip_byte(path, offset, mask)
             injected += 1
             problem = checkpoint_problem(newest)
             detected += problem is not None and problem.startswith(f"file {rel} ")
@@ -224,18 +218,18 @@ def test_flipped_bytes_are_refused_by_name_and_auto_falls_back(reference: Path, 
                     assert E.resolve_resume("auto", root) == previous
                 assert any(str(newest) in r.getMessage() and f"file {rel} " in r.getMessage()
                            for r in caplog.records), caplog.text
-            _flip(path, offset, mask)
+            flip_byte(path, offset, mask)
         assert checkpoint_problem(newest) is None
     assert detected == injected
     _verify_command_names_the_file(newest, files[-1], capsys)
     _missing_resized_or_unmarked(run, newest, previous, train_store, draft_verifier_dir)
 
     # Everything of both checkpoints corrupt: auto refuses to start over.
-    _flip(newest / files[-1], 0, 0xFF)
-    _flip(previous / files[-1], 0, 0xFF)
+    flip_byte(newest / files[-1], 0, 0xFF)
+    flip_byte(previous / files[-1], 0, 0xFF)
     with pytest.raises(CheckpointError, match=r"train.resume=auto: none of the 2 complete checkpoints .* verifies"):
         _fit(run, _fault_overrides(train_store, draft_verifier_dir))
-    _flip(previous / files[-1], 0, 0xFF)
+    flip_byte(previous / files[-1], 0, 0xFF)
 
     # The whole way: auto resumes from the previous checkpoint, saves the newest again, and ends
     # where the uninterrupted run ended.
@@ -257,11 +251,11 @@ def _verify_command_names_the_file(checkpoint: Path, rel: str, capsys) -> None:
     from train.__main__ import verify_main
 
     assert verify_main([str(checkpoint)]) == 0
-    _flip(checkpoint / rel, 0, 0x01)
+    flip_byte(checkpoint / rel, 0, 0x01)
     capsys.readouterr()
     assert verify_main([str(checkpoint)]) == 1
     assert f"file {rel} " in capsys.readouterr().err
-    _flip(checkpoint / rel, 0, 0x01)
+    flip_byte(checkpoint / rel, 0, 0x01)
 
 
 def _missing_resized_or_unmarked(run: Path, newest: Path, previous: Path, store: Path, verifier: Path) -> None:

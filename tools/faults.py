@@ -81,12 +81,13 @@ def store_files_by_kind(store: Path) -> dict[str, list[Path]]:
     return kinds
 
 
-def flip_bit(file: Path, offset: int, bit: int) -> None:
+def flip_byte(file: Path, offset: int, mask: int) -> None:
+    """XOR the byte at `offset` with `mask` in place (the same call again undoes it)."""
     with open(file, "r+b") as f:
         f.seek(offset)
         byte = f.read(1)[0]
         f.seek(offset)
-        f.write(bytes([byte ^ (1 << bit)]))
+        f.write(bytes([byte ^ mask]))
 
 
 def _linked_copy(store: Path, out: Path, flipped: Path) -> None:
@@ -108,7 +109,7 @@ def corruption_trials(store: Path, trials: int, seed: int) -> list[CorruptionTri
                 offset = rng.randrange((store / file).stat().st_size)
                 copy = Path(scratch) / f"trial-{len(results)}"
                 _linked_copy(store, copy, file)
-                flip_bit(copy / file, offset, rng.randrange(8))
+                flip_byte(copy / file, offset, 1 << rng.randrange(8))
                 results.append(_check_flip(copy, store, kind, file, offset))
                 shutil.rmtree(copy)
     return results
