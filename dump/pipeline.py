@@ -10,6 +10,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -21,6 +22,7 @@ from dump.engine import shutdown_llm
 from dump.regenerate import regenerate
 from infra import failpoint, resolve
 from model.verifier import verifier_dir
+from model.verifier_weights import read_verifier_head
 from store import StoreWriter, verifier_identity
 
 
@@ -52,13 +54,19 @@ def open_writer(output_dir: str | Path, verifier: DictConfig, store: DictConfig,
                 rank: int | None = None, world_size: int | None = None) -> StoreWriter:
     """The store at output_dir of `verifier`'s hidden states (conf/verifier, conf/store nodes).
 
-    record: plain values store.json keeps under `dump` (the run's resolved config)."""
+    record: plain values store.json keeps under `dump` (the run's resolved config). A store whose
+    final side is the verifier's top-k (store=compact) gets the verifier's lm_head, in float32 on
+    the GPU where there is one, to compute it."""
     vdir = verifier_dir(verifier)
+    target_head = None
+    if store.get("final") == "topk":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        target_head = read_verifier_head(vdir).lm_head.to(device, torch.float32)
     return StoreWriter(resolve(output_dir), verifier_identity(vdir, verifier.name),
                        list(verifier.aux_layer_ids), store, record,
                        aux_convention=verifier.aux_convention,
                        aux_capture=verifier.aux_capture,
-                       rank=rank, world_size=world_size)
+                       rank=rank, world_size=world_size, target_head=target_head)
 
 
 def write_batch(writer: StoreWriter, capture: HiddenStateCapture, samples: list[TokenizedSample],

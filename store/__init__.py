@@ -3,7 +3,10 @@
 Stage 1 writes with `StoreWriter`; stage 2 reads with `StoreReader` only. Callers import from
 this package (`from store import StoreWriter, StoreReader`); its modules, one concern each:
 
-    format    the folder layout, array names, codecs and encodings (the format is described there)
+    format    the folder layout, array names, storage settings and codecs: the format is
+              described there
+    encoding  the hidden-state encodings (bf16 byte planes, fp8, fp4, top-k targets), their
+              error bounds, and the target rows a loss reads
     identity  the verifier identity and aux capture a store records; StoreMismatchError
     durable   fsync'd, sha256-ended JSON, per-rank manifests and locks: what makes a crash at any
               moment safe and any damage seen (StoreCorruptError)
@@ -14,21 +17,26 @@ this package (`from store import StoreWriter, StoreReader`); its modules, one co
     inspect   inspect_store / format_inspect: the report of `python -m dump inspect <store>`
 """
 from store.durable import Manifest, ShardEntry, StoreCorruptError
-from store.format import (AUX, AUX_SCALE, CORRUPT_PREFIX, FINAL, FORMAT_VERSION, FP8_MAX, INPUT_IDS, LOSS_MASK,
-                          MANIFEST_DIR, MODES, OFFSETS, SHARDS_DIR, STORE_META, TMP_PREFIX, StorageSettings,
-                          decode_bf16, decode_fp8, encode_bf16, encode_fp8, shard_name)
+from store.encoding import (FP4_MAX, FP8_MAX, decode_bf16, decode_bf16_planes, decode_fp4, decode_fp8,
+                            encode_bf16, encode_bf16_planes, encode_fp4, encode_fp8, encode_topk, target_rows)
+from store.format import (AUX, AUX_ENCODINGS, AUX_SCALE, CORRUPT_PREFIX, FINAL, FINAL_ENCODINGS, FINAL_OFFSETS,
+                          FINAL_ROWS, FORMAT_VERSION, INPUT_IDS, LOSS_MASK, MANIFEST_DIR, MODES, OFFSETS,
+                          SHARDS_DIR, STORE_META, TARGET_IDS, TARGET_LOGPROBS, TMP_PREFIX, StorageSettings,
+                          shard_name)
 from store.identity import (AUX_CAPTURES, LEGACY_AUX_CAPTURE, StoreMismatchError, aux_capture_of,
-                            check_aux_capture, read_store_meta, verifier_identity)
+                            check_aux_capture, read_store_meta, storage_of, verifier_identity)
 from store.inspect import format_inspect, inspect_store
 from store.reader import Problem, Sample, SampleRef, ShardCorruptError, StoreReader
 from store.writer import StoreWriteError, StoreWriter, WriterStats, dist_env, rank_of
 
 __all__ = [
-    "AUX", "AUX_CAPTURES", "AUX_SCALE", "CORRUPT_PREFIX", "FINAL", "FORMAT_VERSION", "FP8_MAX", "INPUT_IDS",
-    "LEGACY_AUX_CAPTURE", "LOSS_MASK", "MANIFEST_DIR", "MODES", "OFFSETS", "SHARDS_DIR", "STORE_META",
-    "TMP_PREFIX", "Manifest", "Problem", "Sample", "SampleRef", "ShardCorruptError", "ShardEntry",
-    "StorageSettings", "StoreCorruptError", "StoreMismatchError", "StoreReader", "StoreWriteError",
-    "StoreWriter", "WriterStats", "aux_capture_of", "check_aux_capture", "decode_bf16", "decode_fp8",
-    "dist_env", "encode_bf16", "encode_fp8", "format_inspect", "inspect_store", "rank_of",
-    "read_store_meta", "shard_name", "verifier_identity",
+    "AUX", "AUX_CAPTURES", "AUX_ENCODINGS", "AUX_SCALE", "CORRUPT_PREFIX", "FINAL", "FINAL_ENCODINGS",
+    "FINAL_OFFSETS", "FINAL_ROWS", "FORMAT_VERSION", "FP4_MAX", "FP8_MAX", "INPUT_IDS", "LEGACY_AUX_CAPTURE",
+    "LOSS_MASK", "MANIFEST_DIR", "MODES", "OFFSETS", "SHARDS_DIR", "STORE_META", "TARGET_IDS",
+    "TARGET_LOGPROBS", "TMP_PREFIX", "Manifest", "Problem", "Sample", "SampleRef", "ShardCorruptError",
+    "ShardEntry", "StorageSettings", "StoreCorruptError", "StoreMismatchError", "StoreReader",
+    "StoreWriteError", "StoreWriter", "WriterStats", "aux_capture_of", "check_aux_capture", "decode_bf16",
+    "decode_bf16_planes", "decode_fp4", "decode_fp8", "dist_env", "encode_bf16", "encode_bf16_planes", "encode_fp4", "encode_fp8", "encode_topk",
+    "format_inspect", "inspect_store", "rank_of", "read_store_meta", "shard_name", "storage_of",
+    "target_rows", "verifier_identity",
 ]

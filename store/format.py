@@ -18,17 +18,49 @@ A store is a folder:
 The shards folder is the truth and the manifests its index: a shard committed just before a
 crash, before its manifest was updated, is verified and adopted when its rank reopens the store.
 
-Arrays of a shard holding S samples and N tokens:
-    input_ids       [N] int32
-    loss_mask       [N] bool
-    aux_hidden      [N, n_aux, H] bf16 bits as uint16 (Zarr v3 has no bfloat16); in fp8 mode
-                    float8_e4m3fn bits as uint8, with
-    aux_scale       [N, n_aux] float32, fp8 mode only: aux = e4m3 * scale, scale = amax_H / 448;
-                    in fp32 mode float32
-    final_hidden    [N, H] bf16 bits as uint16, float32 in fp32 mode; never lossy (it defines
-                    the training target)
-    sample_offsets  [S + 1] int64: sample i holds tokens offsets[i]:offsets[i + 1]
-Every array is chunked along its first axis to about `target_chunk_bytes`; Zarr's sharding codec
+Storage settings (conf/store/*.yaml; store.json's "storage" block): `mode`, a label (the preset's
+name: lossless, fp8, fp4, compact, fp32), and what decides the bytes: `aux`, the encoding of the
+aux hidden states (bf16 | fp32 | fp8 | fp4, with `fp4_block` values per scale); `final`, that of
+the final hidden state (bf16 | fp32 | topk, with `topk` = k); `final_rows`, which rows of it are
+kept (all | loss). Then the compressor, chunk and shard sizes, which a reader needs not know.
+
+Arrays of a shard holding S samples and N tokens (M: the rows of the final side, below):
+    input_ids        [N] int32
+    loss_mask        [N] bool
+    aux_hidden       [N, 2, n_aux, H]   aux bf16: byte planes of the bf16 bits, uint8 (Zarr v3 has
+                                        no bfloat16): [:, 0] the high bytes, [:, 1] the low bytes
+                                        (store/encoding.py: encode_bf16_planes)
+                     [N, n_aux, H]      fp32: float32; fp8: float8_e4m3fn bits as uint8;
+                     [N, n_aux, H / 2]  fp4: e2m1 codes as uint8, two per byte (the value of even
+                                        index in the low nibble)
+    aux_scale        [N, n_aux]         fp8 only: float32, aux = e4m3 * scale, scale = amax_H / 448
+                     [N, n_aux, H / B]  fp4 only: bf16 bits as uint16, one per block of B =
+                                        fp4_block values along H: aux = e2m1 * scale,
+                                        scale = amax_block / 6 rounded up to a bf16 (1 for an
+                                        all-zero block)
+    final_hidden     [M, 2, H]          final bf16: byte planes as aux_hidden's
+                     [M, H]             final fp32: float32
+    target_ids       [M, k] int32       final topk, in place of final_hidden: the verifier's k most
+    target_logprobs  [M, k] float16     likely next tokens, descending, and their log-probabilities
+                                        log_softmax(final @ lm_head.T) over the full vocabulary
+                                        (float16; below -65504 clamped to it)
+    sample_offsets   [S + 1] int64      sample i holds tokens offsets[i]:offsets[i + 1]
+    final_offsets    [S + 1] int64      final_rows loss only: sample i holds final-side rows
+                                        final_offsets[i]:final_offsets[i + 1]
+With final_rows all, M = N: every token has its final-side row. With final_rows loss, a sample of
+T tokens keeps only its target rows (`target_rows`): row j where j + 1 < T and loss_mask[j + 1],
+the only rows whose final state a training loss reads (at any TTT step the loss at a position
+is taken against the verifier's distribution for an assistant token that follows it); a reader
+puts them back in place and fills the others with 0 (final_hidden), -1 (target_ids) and -inf
+(target_logprobs). Each array's zarr.json attributes say how its bytes decode.
+
+Error bounds: bf16 and fp32 are exactly what the verifier computed in that dtype. fp8 keeps 3
+mantissa bits: |x - stored| <= |x| / 16 + scale * 2**-10. fp4: |x - stored| <= max(scale, |x|)/4
+with scale = amax_block / 6 rounded up to bf16's 8 significant bits. topk: ids exact, log-probabilities to float16 rounding
+(relative 2**-11) of the float32 values, the rest of the distribution dropped.
+
+Every array is chunked along its first axis to about `target_chunk_bytes` (byte planes also along
+their plane axis, so each plane compresses on its own); Zarr's sharding codec
 packs all chunks of an array into one file, and every chunk is encoded bytes -> compressor ->
 crc32c, so each chunk (and each shard index) carries its own checksum.
 
@@ -37,11 +69,15 @@ So every file a reader reads is checked: chunks and shard indexes by their crc32
 manifest entry holds, store.json and the manifests by their sha256 line. Every reader and
 `verify` checks these; a damaged file is named (StoreCorruptError, ShardCorruptError).
 
-Format versions. 2 is the above. 1 had no sha256 anywhere: its stores are still read (their JSON
-and zarr.json files are taken as they are, and `inspect` says so), but never written to: finish
-such a store with the code that started it, or start a new one. A JSON file without the sha256
-line is read as version 1 only when it says version 1: a version-2 file cannot lose that line to
-one damaged byte, so damage never makes a new file pass for an old one.
+Format versions. 3 is the above. 2 had one storage `mode` for both hidden states (bf16, fp8 or
+fp32), bf16 as uint16 bits, and every row of final_hidden: read as aux bf16/final bf16, aux
+fp8/final bf16 and aux fp32/final fp32, final_rows all. 1 was 2 without a sha256 anywhere: its JSON and zarr.json
+files are taken as they are (`inspect` says so). Stores of versions 1 and 2 are read, never
+written to: finish such a store with the code that started it, or start a new one. A JSON file
+without the sha256 line is read as version 1 only when it says version 1: a newer file cannot
+lose that line to one damaged byte, so damage never makes a new file pass for an old one. A
+store of a newer version, or whose settings name an encoding this code does not know, is
+refused on opening, naming it: upgrade the code to read it.
 """
 from __future__ import annotations
 
@@ -60,13 +96,18 @@ from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
 from infra import failpoint
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 LEGACY_VERSION = 1  # read, never written (the module's docstring)
-FP8_MAX = 448.0  # the largest finite float8_e4m3fn
-# bf16: hidden states as bf16 (what a bf16 verifier computes: lossless); fp8: aux states as e4m3
-# with per-token scales, final as bf16; fp32: both as float32 (exact for a verifier computing in
-# fp32, as kimi-tiny does on CPU; twice the bytes of bf16).
-MODES = ("bf16", "fp8", "fp32")
+READ_VERSIONS = (1, 2, 3)
+
+AUX_ENCODINGS = ("bf16", "fp32", "fp8", "fp4")
+FINAL_ENCODINGS = ("bf16", "fp32", "topk")
+FINAL_ROWS = ("all", "loss")
+# The presets of conf/store; `mode` is their label, the encodings above decide the bytes.
+MODES = ("lossless", "fp8", "fp4", "compact", "fp32")
+# Formats 1 and 2 named one mode for both hidden states: (aux, final, final_rows) it meant.
+LEGACY_MODES = {"bf16": ("bf16", "bf16", "all"), "fp8": ("fp8", "bf16", "all"),
+                "fp32": ("fp32", "fp32", "all")}
 
 STORE_META = "store.json"
 SHARDS_DIR = "shards"
@@ -80,30 +121,105 @@ LOSS_MASK = "loss_mask"
 AUX = "aux_hidden"
 AUX_SCALE = "aux_scale"
 FINAL = "final_hidden"
+TARGET_IDS = "target_ids"
+TARGET_LOGPROBS = "target_logprobs"
 OFFSETS = "sample_offsets"
+FINAL_OFFSETS = "final_offsets"
 
 
 @dataclass(frozen=True)
 class StorageSettings:
-    """conf/store/*.yaml."""
+    """conf/store/*.yaml; store.json's "storage" block."""
 
-    mode: str                   # one of MODES
+    mode: str                   # the preset's label (MODES), recorded and shown
+    aux: str                    # one of AUX_ENCODINGS
+    final: str                  # one of FINAL_ENCODINGS
+    final_rows: str             # one of FINAL_ROWS
     compressor: dict[str, Any]  # {name: zstd, level} | {name: blosc, cname, clevel, shuffle} | {name: none}
     target_chunk_bytes: int     # uncompressed bytes per chunk of each array
     shard_bytes: int            # uncompressed bytes a rank buffers before committing a shard
+    topk: int = 32              # k, where final == topk
+    fp4_block: int = 32         # values per fp4 scale, where aux == fp4; must divide H
 
     @classmethod
     def from_cfg(cls, cfg: Mapping[str, Any]) -> StorageSettings:
+        """The settings of a config node, checked (ValueError says what is wrong)."""
         values = _plain(cfg)
-        settings = cls(mode=values["mode"], compressor=dict(values["compressor"]),
+        missing = [k for k in ("mode", "aux", "final", "final_rows") if k not in values]
+        if missing:
+            raise ValueError(f"storage settings lack {', '.join(missing)}: conf/store/*.yaml sets "
+                             "them (mode is the preset's label, aux/final/final_rows the encodings)")
+        settings = cls(mode=values["mode"], aux=values["aux"], final=values["final"],
+                       final_rows=values["final_rows"], compressor=dict(values["compressor"]),
                        target_chunk_bytes=int(values["target_chunk_bytes"]),
-                       shard_bytes=int(values["shard_bytes"]))
-        if settings.mode not in MODES:
-            raise ValueError(f"storage mode {settings.mode!r}: use one of {MODES}")
+                       shard_bytes=int(values["shard_bytes"]), topk=int(values.get("topk", 32)),
+                       fp4_block=int(values.get("fp4_block", 32)))
+        settings.check()
         _compressor_codec(settings.compressor)  # fail on a bad compressor now, not at the first shard
         if settings.target_chunk_bytes < 1 or settings.shard_bytes < 1:
             raise ValueError("target_chunk_bytes and shard_bytes must be positive")
         return settings
+
+    @classmethod
+    def from_record(cls, storage: Mapping[str, Any], format_version: int) -> StorageSettings:
+        """The settings store.json (or a shard's attributes) records; formats 1 and 2 had one
+        `mode` (LEGACY_MODES). ValueError names an encoding this code does not know."""
+        common = {"compressor": dict(storage.get("compressor") or {"name": "none"}),
+                  "target_chunk_bytes": int(storage.get("target_chunk_bytes", 1)),
+                  "shard_bytes": int(storage.get("shard_bytes", 1))}
+        if format_version < 3:
+            mode = storage.get("mode")
+            if mode not in LEGACY_MODES:
+                raise ValueError(f"storage mode {mode!r} of format {format_version} is not one of "
+                                 f"{', '.join(LEGACY_MODES)}")
+            aux, final, rows = LEGACY_MODES[mode]
+            return cls(mode=mode, aux=aux, final=final, final_rows=rows, **common)
+        settings = cls(mode=str(storage.get("mode")), aux=storage.get("aux"), final=storage.get("final"),
+                       final_rows=storage.get("final_rows"), topk=int(storage.get("topk", 32)),
+                       fp4_block=int(storage.get("fp4_block", 32)), **common)
+        settings.check()
+        return settings
+
+    def check(self) -> None:
+        """Each encoding one this code knows, and its parameter sensible (the checks that need
+        H and the vocabulary are the writer's)."""
+        if not isinstance(self.mode, str) or not self.mode:
+            raise ValueError(f"storage mode {self.mode!r}: a preset's name, such as {MODES}")
+        for what, value, known in (("aux encoding", self.aux, AUX_ENCODINGS),
+                                   ("final encoding", self.final, FINAL_ENCODINGS),
+                                   ("final_rows", self.final_rows, FINAL_ROWS)):
+            if value not in known:
+                raise ValueError(f"storage {what} {value!r} is not one of {', '.join(known)}")
+        if self.final == "topk" and self.topk < 1:
+            raise ValueError(f"storage topk {self.topk}: k must be at least 1")
+        if self.aux == "fp4" and self.fp4_block < 1:
+            raise ValueError(f"storage fp4_block {self.fp4_block}: must be positive")
+
+    def encodings(self) -> dict[str, Any]:
+        """What decides the bytes of the hidden-state arrays: the encodings and the parameters
+        they use (a store's writers must agree on these)."""
+        found: dict[str, Any] = {"aux": self.aux, "final": self.final, "final_rows": self.final_rows}
+        if self.aux == "fp4":
+            found["fp4_block"] = self.fp4_block
+        if self.final == "topk":
+            found["topk"] = self.topk
+        return found
+
+    def final_arrays(self) -> tuple[str, ...]:
+        """The arrays of the final side, whose rows final_rows chooses."""
+        return (TARGET_IDS, TARGET_LOGPROBS) if self.final == "topk" else (FINAL,)
+
+    def arrays(self) -> tuple[str, ...]:
+        """Every array a shard written with these settings holds."""
+        scale = (AUX_SCALE,) if self.aux in ("fp8", "fp4") else ()
+        offsets = (FINAL_OFFSETS,) if self.final_rows == "loss" else ()
+        return (INPUT_IDS, LOSS_MASK, AUX, *scale, *self.final_arrays(), OFFSETS, *offsets)
+
+    def describe(self) -> str:
+        """One line: the label and the encodings."""
+        aux = f"aux {self.aux}" + (f" (blocks of {self.fp4_block})" if self.aux == "fp4" else "")
+        final = f"final {self.final}" + (f" (k={self.topk})" if self.final == "topk" else "")
+        return f"{self.mode}: {aux}, {final}, final rows {self.final_rows}"
 
 
 def _plain(value: Any) -> Any:
@@ -123,44 +239,6 @@ def _compressor_codec(cfg: Mapping[str, Any]) -> ZstdCodec | BloscCodec | None:
     if name == "none":
         return None
     raise ValueError(f"compressor {dict(cfg)!r}: name must be zstd, blosc or none")
-
-
-# ---------------------------------------------------------------------------------------------
-# Encoding of hidden states
-
-
-def encode_bf16(x: torch.Tensor | np.ndarray) -> np.ndarray:
-    """bf16 bits as uint16, same shape; wider floats are rounded to nearest even."""
-    # A copy, never a view: the caller may reuse its buffer once a sample is added.
-    bits = torch.as_tensor(x).detach().to("cpu", torch.bfloat16, copy=True).contiguous()
-    return bits.view(torch.int16).numpy().view(np.uint16)
-
-
-def decode_bf16(bits: np.ndarray) -> torch.Tensor:
-    """The bfloat16 tensor whose bits `encode_bf16` stored."""
-    return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16)
-
-
-def encode_fp8(x: torch.Tensor | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """float8_e4m3fn bits as uint8 [..., H] and float32 scales [...], one per row of H values.
-
-    scale = amax / 448 maps each row's largest value onto e4m3's largest, so every element keeps
-    3 mantissa bits: |x - decoded| <= |x| / 16 + scale * 2**-10 (the second term for values that
-    fall into e4m3's subnormal range, below scale * 2**-6).
-    """
-    values = torch.as_tensor(x).detach().to("cpu", torch.float32)
-    amax = values.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))  # all-zero rows: 1
-    # The clamp only catches the float32 rounding of amax / scale past 448.
-    codes = (values / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return codes.view(torch.uint8).numpy(), scale.squeeze(-1).numpy()
-
-
-def decode_fp8(codes: np.ndarray, scale: np.ndarray, dtype: torch.dtype = torch.float32
-               ) -> torch.Tensor:
-    """codes [..., H] * scale [...] as `dtype`."""
-    values = torch.from_numpy(np.ascontiguousarray(codes)).view(torch.float8_e4m3fn).float()
-    return (values * torch.from_numpy(np.ascontiguousarray(scale)).unsqueeze(-1)).to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,43 +262,84 @@ def _shard_index(name: str) -> int:
     return int(_SHARD_NAME.match(name).group(2))  # type: ignore[union-attr]
 
 
-def _chunk_shape(data: np.ndarray, target_chunk_bytes: int) -> tuple[int, ...]:
-    """Chunks along the first (token) axis holding about target_chunk_bytes: sized from H."""
-    row_bytes = max(1, data[0].nbytes if data.ndim > 1 else data.itemsize)
+def _chunk_shape(data: np.ndarray, target_chunk_bytes: int, planes: bool = False) -> tuple[int, ...]:
+    """Chunks along the first (token) axis holding about target_chunk_bytes: sized from H. Byte
+    planes (encode_bf16_planes) are also cut along their plane axis: one plane per chunk."""
+    inner = (1, *data.shape[2:]) if planes else data.shape[1:]
+    row_bytes = max(1, data.itemsize * math.prod(inner))
     rows = max(1, min(len(data), target_chunk_bytes // row_bytes))
-    return (rows, *data.shape[1:])
+    return (rows, *inner)
+
+
+def is_planes(name: str, storage: StorageSettings) -> bool:
+    """Whether a format-3 array holds bf16 byte planes: bf16 hidden states (format 2 kept the
+    uint16 bits)."""
+    return (name == AUX and storage.aux == "bf16") or (name == FINAL and storage.final == "bf16")
 
 
 def _write_shard(folder: Path, arrays: Mapping[str, np.ndarray], attributes: dict[str, Any],
                  storage: StorageSettings) -> None:
-    """One Zarr v3 group; each array is one file (one Zarr shard) of crc32c-checked chunks."""
+    """One Zarr v3 group; each array is one file (one Zarr shard) of crc32c-checked chunks (an
+    array of no rows, a final side no sample has a target row in, has no file)."""
     group = zarr.open_group(str(folder), mode="w-", zarr_format=3, attributes=attributes)
     compressor = _compressor_codec(storage.compressor)
     for name, data in arrays.items():
-        chunks = _chunk_shape(data, storage.target_chunk_bytes)
-        whole = (math.ceil(len(data) / chunks[0]) * chunks[0], *data.shape[1:])
+        chunks = _chunk_shape(data, storage.target_chunk_bytes, is_planes(name, storage))
+        whole = (max(1, math.ceil(len(data) / chunks[0])) * chunks[0], *data.shape[1:])
         array = group.create_array(
             name, shape=data.shape, dtype=data.dtype, chunks=chunks, shards=whole,
             compressors=[c for c in (compressor, Crc32cCodec()) if c is not None],
-            fill_value=0, attributes=_array_attributes(name, storage.mode),
+            fill_value=0, attributes=_array_attributes(name, storage),
             # An all-zero chunk is written too, so that every chunk is there with its checksum.
             config={"write_empty_chunks": True})
         array[...] = data
         failpoint("store.shard.array_written")
 
 
-# The dtype a hidden-state array means, per mode; bf16 and e4m3 are stored as their raw bits
-# (uint16, uint8) since Zarr v3 has neither.
-_LOGICAL_DTYPES = {(AUX, "bf16"): "bfloat16", (FINAL, "bf16"): "bfloat16",
-                   (AUX, "fp8"): "float8_e4m3fn", (FINAL, "fp8"): "bfloat16",
-                   (AUX, "fp32"): "float32", (FINAL, "fp32"): "float32"}
+def logical_dtypes(storage: StorageSettings) -> dict[str, str]:
+    """What each array's values are (store.json's "dtypes"); bf16, e4m3 and e2m1 are stored as
+    raw bits (uint16, uint8, two per uint8) since Zarr v3 has none of them."""
+    aux = {"bf16": "bfloat16", "fp32": "float32", "fp8": "float8_e4m3fn", "fp4": "float4_e2m1"}
+    final = ({TARGET_IDS: "int32", TARGET_LOGPROBS: "float16"} if storage.final == "topk" else
+             {FINAL: {"bf16": "bfloat16", "fp32": "float32"}[storage.final]})
+    return {AUX: aux[storage.aux], **final, INPUT_IDS: "int32", LOSS_MASK: "bool"}
 
 
-def _array_attributes(name: str, mode: str) -> dict[str, str]:
-    if name == AUX_SCALE:
-        return {"meaning": "amax over H / 448, per token and aux layer"}
-    logical = _LOGICAL_DTYPES.get((name, mode))
-    if logical in ("bfloat16", "float8_e4m3fn"):
-        decode = {"decode": "aux_hidden * aux_scale[..., None]"} if logical == "float8_e4m3fn" else {}
-        return {"logical_dtype": logical, "stored_as": "raw bits", **decode}
-    return {}
+_LOSS_ROWS = ("target rows only: row j of a sample of T tokens where j + 1 < T and "
+              "loss_mask[j + 1]; sample i holds rows final_offsets[i]:final_offsets[i + 1]")
+
+
+def _array_attributes(name: str, storage: StorageSettings) -> dict[str, Any]:
+    """How an array's bytes decode, for someone reading the shard without this code."""
+    found = dict(_DESCRIPTIONS.get((name, storage.aux if name in (AUX, AUX_SCALE) else storage.final),
+                                   {}))
+    if storage.aux == "fp4" and name in (AUX, AUX_SCALE):
+        found["block"] = storage.fp4_block
+    if name in storage.final_arrays() and storage.final_rows == "loss":
+        found["rows"] = _LOSS_ROWS
+    if name in (TARGET_IDS, TARGET_LOGPROBS):
+        found["k"] = storage.topk
+    if name == FINAL_OFFSETS:
+        found["meaning"] = "sample i holds final-side rows final_offsets[i]:final_offsets[i + 1]"
+    return found
+
+
+_RAW_BF16 = {"logical_dtype": "bfloat16", "stored_as": "byte planes of the bits along axis 1: "
+             "[:, 0] the high bytes, [:, 1] the low bytes; bits = high << 8 | low"}
+_DESCRIPTIONS: dict[tuple[str, str], dict[str, str]] = {
+    (AUX, "bf16"): _RAW_BF16,
+    (AUX, "fp8"): {"logical_dtype": "float8_e4m3fn", "stored_as": "raw bits",
+                   "decode": "aux_hidden * aux_scale[..., None]"},
+    (AUX_SCALE, "fp8"): {"meaning": "amax over H / 448, per token and aux layer"},
+    (AUX, "fp4"): {"logical_dtype": "float4_e2m1", "stored_as": "two codes per byte, the value of "
+                   "even index in the low nibble; bit 3 the sign, bits 0-2 index 0, 0.5, 1, 1.5, 2, "
+                   "3, 4, 6", "decode": "e2m1 value * the aux_scale of its block of `block` "
+                   "consecutive values along H"},
+    (AUX_SCALE, "fp4"): {"logical_dtype": "bfloat16", "stored_as": "raw bits",
+                         "meaning": "per block of `block` values along H: its amax / 6, rounded up "
+                         "to a bfloat16 (1 for an all-zero block)"},
+    (FINAL, "bf16"): _RAW_BF16,
+    (TARGET_IDS, "topk"): {"meaning": "the verifier's k most likely next tokens, descending"},
+    (TARGET_LOGPROBS, "topk"): {"meaning": "their log_softmax(final_hidden @ lm_head.T) over the "
+                                "full vocabulary, float32 rounded to float16 (clamped at -65504)"},
+}

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from store.durable import _fsync_dir, _read_checked_json, _write_json_durably
-from store.format import (AUX, FINAL, FORMAT_VERSION, INPUT_IDS, LEGACY_VERSION, LOSS_MASK, STORE_META,
-                          StorageSettings, _LOGICAL_DTYPES, _plain)
+from store.format import (AUX_ENCODINGS, FINAL_ENCODINGS, FORMAT_VERSION, READ_VERSIONS,
+                          STORE_META, StorageSettings, _plain, logical_dtypes)
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,8 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "voca
 
 
 class StoreMismatchError(ValueError):
-    """The store was written with another verifier, aux layers, storage mode or format."""
+    """The store was written with another verifier, aux layers, storage settings or format, or
+    records a format or encoding this code cannot read."""
 
 
 def verifier_identity(checkpoint: str | Path, name: str) -> dict[str, Any]:
@@ -93,9 +94,7 @@ def _store_meta(identity: Mapping[str, Any], aux_layer_ids: Sequence[int], aux_c
         "aux_convention": str(aux_convention),
         "aux_capture": check_aux_capture(aux_capture),
         "storage": asdict(storage),
-        "dtypes": {AUX: _LOGICAL_DTYPES[(AUX, storage.mode)],
-                   FINAL: _LOGICAL_DTYPES[(FINAL, storage.mode)],
-                   INPUT_IDS: "int32", LOSS_MASK: "bool"},
+        "dtypes": logical_dtypes(storage),
         "checksum": "crc32c",
         "dump": _plain(dump_cfg) if dump_cfg is not None else {},
     }
@@ -112,13 +111,21 @@ def _compatibility(meta: Mapping[str, Any]) -> dict[str, Any]:
         "aux_convention": meta["aux_convention"],
         "aux_capture": aux_capture_of(meta),
         "storage.mode": meta["storage"]["mode"],
+        **{f"storage.{k}": v for k, v in storage_of(meta).encodings().items()},
     }
+
+
+def storage_of(meta: Mapping[str, Any]) -> StorageSettings:
+    """The storage settings a store.json (or a shard's attributes) records, in format 3's terms
+    (formats 1 and 2 named one mode: format.LEGACY_MODES)."""
+    return StorageSettings.from_record(meta["storage"], int(meta["format_version"]))
 
 
 def _mismatches(found: Mapping[str, Any], wanted: Mapping[str, Any]) -> list[str]:
     have, want = _compatibility(found), _compatibility(wanted)
-    return [f"{key}: store has {have[key]!r}, this run has {want[key]!r}"
-            for key in have if have[key] != want[key]]
+    # A parameter one side's encodings do not use (fp4_block of a bf16 store) is named as None.
+    return [f"{key}: store has {have.get(key)!r}, this run has {want.get(key)!r}"
+            for key in {**have, **want} if have.get(key) != want.get(key)]
 
 
 def _create_or_check_meta(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
@@ -138,7 +145,8 @@ def _create_or_check_meta(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
     if existing["format_version"] != meta["format_version"]:
         raise StoreMismatchError(
             f"cannot write to store {path}: it has format version {existing['format_version']}, "
-            f"this code writes version {meta['format_version']} (and reads both); finish the store "
+            f"this code writes version {meta['format_version']} (and reads versions "
+            f"{READ_VERSIONS[0]} to {READ_VERSIONS[-1]}); finish the store "
             "with the code that started it, or use a new store folder")
     problems = _mismatches(existing, meta)
     if problems:
@@ -162,7 +170,16 @@ def read_store_meta(path: str | Path) -> dict[str, Any]:
     if not target.is_file():
         raise FileNotFoundError(f"{path} is not a hidden-state store: {STORE_META} is missing")
     meta = _read_checked_json(target, _META_ADVICE)
-    if meta.get("format_version") not in (LEGACY_VERSION, FORMAT_VERSION):
-        raise StoreMismatchError(f"store {path} has format version {meta.get('format_version')}; "
-                                 f"this code reads versions {LEGACY_VERSION} and {FORMAT_VERSION}")
+    version = meta.get("format_version")
+    if version not in READ_VERSIONS:
+        raise StoreMismatchError(f"store {path} has format version {version!r}; this code reads "
+                                 f"versions {READ_VERSIONS[0]} to {READ_VERSIONS[-1]}: upgrade it "
+                                 "to read this store")
+    try:
+        storage_of(meta)
+    except (ValueError, TypeError, KeyError) as error:
+        raise StoreMismatchError(
+            f"store {path} records storage settings this code cannot read ({error}); this code "
+            f"reads aux encodings {', '.join(AUX_ENCODINGS)} and final encodings "
+            f"{', '.join(FINAL_ENCODINGS)}: upgrade it to read this store") from error
     return meta

@@ -1,6 +1,7 @@
-"""`python -m dump inspect <store>`: a store's counts, sizes, compression and the result of reading
-every chunk and checking every metadata file (`inspect_store`), and that report as lines for a
-terminal (`format_inspect`). A store that cannot even be opened (no store.json, a damaged one, a
+"""`python -m dump inspect <store>`: a store's counts, storage mode and encodings, sizes (per
+array too: bytes on disk, per token, share), compression and the result of reading every chunk and
+checking every metadata file (`inspect_store`), and that report as lines for a terminal
+(`format_inspect`). A store that cannot even be opened (no store.json, a damaged one, a
 damaged manifest) is a report with one problem, never a traceback."""
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ def _report(reader: StoreReader, verify: bool) -> dict[str, Any]:
         "aux_convention": reader.aux_convention,
         "aux_capture": reader.aux_capture,
         "mode": reader.mode,
+        "encodings": reader.storage.encodings(),
+        "storage": reader.storage.describe(),
         "compressor": reader.meta["storage"]["compressor"],
         "shards": len(entries),
         "samples": len(reader),
@@ -54,6 +57,7 @@ def _report(reader: StoreReader, verify: bool) -> dict[str, Any]:
         "quarantined_shards": _hidden_shards(reader.path, CORRUPT_PREFIX),
         "bytes_on_disk": on_disk,
         "bytes_on_disk_by_array": disk,
+        "arrays": _array_figures(disk, tokens, on_disk),
         "bytes_per_token": on_disk / tokens if tokens else None,
         "logical_bytes_per_token": logical / tokens if tokens else None,
         "reference_bytes_per_token": reference,
@@ -78,6 +82,14 @@ def _bytes_by_array(reader: StoreReader) -> dict[str, int]:
                 key = "metadata" if file.name == "zarr.json" else file.relative_to(folder).parts[0]
                 sizes[key] += file.stat().st_size
     return dict(sizes)
+
+
+def _array_figures(disk: Mapping[str, int], tokens: int, on_disk: int) -> dict[str, dict[str, Any]]:
+    """Per array (its data files over all shards, zarr.json files not counted): bytes on disk,
+    per token of the store, and share of the store's bytes on disk."""
+    return {name: {"bytes": nbytes, "bytes_per_token": nbytes / tokens if tokens else 0.0,
+                   "share": nbytes / on_disk if on_disk else 0.0}
+            for name, nbytes in sorted(disk.items()) if name != "metadata"}
 
 
 def _logical_bytes(reader: StoreReader) -> int:
@@ -105,7 +117,7 @@ def format_inspect(report: Mapping[str, Any]) -> str:
         f"verifier      {report['verifier']}: H={report['hidden_size']}, aux layers "
         f"{report['aux_layer_ids']} ({report['aux_convention']} convention, "
         f"{report['aux_capture']} capture)",
-        f"storage       {report['mode']}, compressor {report['compressor']}",
+        f"storage       {report['storage']}; compressor {report['compressor']}",
         f"contents      {report['shards']:,} shards, {report['samples']:,} samples, "
         f"{report['tokens']:,} tokens, {len(report['rejected']):,} rejected",
         f"on disk       {report['bytes_on_disk']:,} bytes = {per_token('bytes_per_token')}/token",
@@ -114,9 +126,14 @@ def format_inspect(report: Mapping[str, Any]) -> str:
         f"reference     {report['reference_bytes_per_token']:,} bytes/token ((n_aux+1)*H*2: bf16 aux "
         f"+ final, uncompressed); reference / on disk = {_ratio(report['ratio_to_reference'])}",
     ]
-    for array, nbytes in sorted(report["bytes_on_disk_by_array"].items()):
-        share = nbytes / report["tokens"] if report["tokens"] else 0
-        lines.append(f"  {array:16} {nbytes:>16,} bytes {share:12,.1f} bytes/token")
+    lines.append(f"  {'array':16} {'bytes on disk':>16} {'bytes/token':>12} {'share':>6}")
+    metadata = report["bytes_on_disk_by_array"].get("metadata", 0)
+    figures = {**report["arrays"], "metadata": {
+        "bytes": metadata, "bytes_per_token": metadata / report["tokens"] if report["tokens"] else 0,
+        "share": metadata / report["bytes_on_disk"] if report["bytes_on_disk"] else 0}}
+    for array, figure in figures.items():
+        lines.append(f"  {array:16} {figure['bytes']:>16,} {figure['bytes_per_token']:12,.1f} "
+                     f"{figure['share']:6.1%}")
     for sample_id, reason in list(report["rejected"].items())[:_MAX_NAMED]:
         lines.append(f"rejected      {sample_id!r}: {reason}")
     if report["unfinished_shards"]:

@@ -14,9 +14,10 @@ import zarr
 
 from store.durable import (ShardEntry, StoreCorruptError, _all_manifests, _committed_shards,
                            _nbytes_on_disk, _sha256_file)
-from store.format import (AUX, AUX_SCALE, FINAL, INPUT_IDS, LOSS_MASK, OFFSETS, SHARDS_DIR, _data_file,
-                          decode_bf16, decode_fp8)
-from store.identity import _mismatches, aux_capture_of, read_store_meta
+from store.encoding import decode_bf16, decode_bf16_planes, decode_fp4, decode_fp8, target_rows
+from store.format import (AUX, AUX_SCALE, FINAL, FINAL_OFFSETS, INPUT_IDS, LOSS_MASK, OFFSETS, SHARDS_DIR,
+                          TARGET_IDS, TARGET_LOGPROBS, StorageSettings, _data_file)
+from store.identity import _mismatches, aux_capture_of, read_store_meta, storage_of
 
 # Readers keep this many shards' Zarr metadata open (a trainer touches shards at random).
 _OPEN_SHARDS = 64
@@ -44,11 +45,17 @@ class SampleRef:
 
 @dataclass(frozen=True)
 class Sample:
+    """One sample as stored. With final_rows loss only the target rows (`target_rows`) of the
+    final side are stored: the other rows of final are 0, of target_ids -1, of target_logprobs
+    -inf."""
+
     sample_id: str
     input_ids: torch.Tensor  # [T] int64
     loss_mask: torch.Tensor  # [T] bool
-    aux: torch.Tensor        # [T, n_aux, H]
-    final: torch.Tensor      # [T, H]
+    aux: torch.Tensor        # [T, n_aux, H], decoded to the requested dtype
+    final: torch.Tensor | None  # [T, H], decoded to the requested dtype; None where final is topk
+    target_ids: torch.Tensor | None = None       # [T, k] int64 where final is topk, else None
+    target_logprobs: torch.Tensor | None = None  # [T, k] float32 where final is topk, else None
 
 
 @dataclass(frozen=True)
@@ -122,23 +129,33 @@ class _OpenShard:
         if len(self.offsets) != len(self.sample_ids) + 1:
             raise ShardCorruptError(self.name, OFFSETS, self.sample_ids,
                                     f"{len(self.offsets)} offsets for {len(self.sample_ids)} samples")
+        # Where the final side keeps only target rows, its own offsets; else the token offsets.
+        self.final_offsets = self.offsets
+        if FINAL_OFFSETS in self.arrays:
+            self.final_offsets = self.read(FINAL_OFFSETS, slice(None), self.sample_ids).astype(np.int64)
+            if len(self.final_offsets) != len(self.offsets):
+                raise ShardCorruptError(self.name, FINAL_OFFSETS, self.sample_ids,
+                                        f"{len(self.final_offsets)} offsets for "
+                                        f"{len(self.sample_ids)} samples")
 
     def read(self, name: str, rows: slice, sample_ids: Sequence[str]) -> np.ndarray:
         """array[rows]; a failed read (checksum, truncation, decompression) names the samples."""
         if name not in self.arrays:
             raise ShardCorruptError(self.name, name, sample_ids, "array is missing")
         array = self.arrays[name]
+        if rows.start is not None and rows.start == rows.stop:  # a sample with no final-side rows
+            return np.empty((0, *array.shape[1:]), array.dtype)
         try:
             return array[rows]
         except Exception as error:
             raise ShardCorruptError(self.name, name, sample_ids, f"cannot read: {error}",
                                     f"{SHARDS_DIR}/{self.name}/{_data_file(name, array.ndim)}") from error
 
-    def samples_in(self, start: int, stop: int) -> list[str]:
-        """Ids of the samples with tokens in [start, stop)."""
-        first = int(np.searchsorted(self.offsets, start, side="right")) - 1
-        last = int(np.searchsorted(self.offsets, stop, side="left"))
-        return self.sample_ids[max(first, 0):last]
+    def samples_in(self, start: int, stop: int, offsets: np.ndarray | None = None) -> list[str]:
+        """Ids of the samples with rows in [start, stop): tokens, or the rows of `offsets`."""
+        bounds = self.offsets if offsets is None else offsets
+        hit = (bounds[:-1] < stop) & (bounds[1:] > start)
+        return [self.sample_ids[i] for i in np.flatnonzero(hit)]
 
 
 def _entry_of(folder: Path, metadata_sha256: Mapping[str, str] | None = None) -> ShardEntry:
@@ -174,6 +191,7 @@ class StoreReader:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.meta = read_store_meta(self.path)
+        self._storage = storage_of(self.meta)
         self._entries, self._index_problems = _store_index(self.path)
         self._by_name = {entry.name: entry for entry in self._entries}
         self._refs = [SampleRef(entry.name, sample_id, i, tokens) for entry in self._entries
@@ -201,8 +219,32 @@ class StoreReader:
         return int(self.identity["hidden_size"])
 
     @property
+    def storage(self) -> StorageSettings:
+        """The settings the store was written with, in format 3's terms (formats 1 and 2 mapped)."""
+        return self._storage
+
+    @property
     def mode(self) -> str:
-        return self.meta["storage"]["mode"]
+        """The label of the store's preset (conf/store: lossless, fp8, ...; bf16, fp8 or fp32 in a
+        format 1 or 2 store)."""
+        return self._storage.mode
+
+    @property
+    def aux_encoding(self) -> str:
+        return self._storage.aux
+
+    @property
+    def final_encoding(self) -> str:
+        return self._storage.final
+
+    @property
+    def final_rows(self) -> str:
+        return self._storage.final_rows
+
+    @property
+    def topk(self) -> int | None:
+        """k of a store whose final side is the verifier's top-k; None for a hidden-state one."""
+        return self._storage.topk if self._storage.final == "topk" else None
 
     @property
     def dump_config(self) -> dict[str, Any]:
@@ -225,8 +267,15 @@ class StoreReader:
         """One sample, hidden states decoded to `dtype`; ShardCorruptError names a bad shard."""
         shard, rows = self._locate(ref)
         input_ids, loss_mask = self._tokens(shard, rows, ref)
-        return Sample(ref.sample_id, input_ids, loss_mask, self._aux(shard, rows, ref, dtype),
-                      self._hidden(shard, FINAL, rows, ref).to(dtype))
+        aux = self._aux(shard, rows, ref, dtype)
+        final_side = self._final_side(shard, ref, loss_mask)
+        if self._storage.final == "topk":
+            return Sample(ref.sample_id, input_ids, loss_mask, aux, None,
+                          self._spread(final_side[TARGET_IDS].astype(np.int64), final_side, -1),
+                          self._spread(final_side[TARGET_LOGPROBS].astype(np.float32), final_side,
+                                       -np.inf))
+        final = self._decode_hidden(final_side[FINAL], self._storage.final, dtype)
+        return Sample(ref.sample_id, input_ids, loss_mask, aux, self._spread(final, final_side, 0))
 
     def read_tokens(self, ref: SampleRef) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids [T] int64, loss_mask [T] bool) of a sample, without its hidden states."""
@@ -248,15 +297,48 @@ class StoreReader:
 
     def _aux(self, shard: _OpenShard, rows: slice, ref: SampleRef, dtype: torch.dtype
              ) -> torch.Tensor:
-        if self.mode == "fp8":
-            codes = shard.read(AUX, rows, [ref.sample_id])
+        encoding, codes = self._storage.aux, shard.read(AUX, rows, [ref.sample_id])
+        if encoding == "fp8":
             return decode_fp8(codes, shard.read(AUX_SCALE, rows, [ref.sample_id]), dtype)
-        return self._hidden(shard, AUX, rows, ref).to(dtype)
+        if encoding == "fp4":
+            return decode_fp4(codes, shard.read(AUX_SCALE, rows, [ref.sample_id]),
+                              self._storage.fp4_block, dtype)
+        return self._decode_hidden(codes, encoding, dtype)
 
-    def _hidden(self, shard: _OpenShard, name: str, rows: slice, ref: SampleRef) -> torch.Tensor:
-        """A bf16 or fp32 hidden-state array's rows as a tensor of that dtype."""
-        stored = shard.read(name, rows, [ref.sample_id])
-        return torch.from_numpy(stored) if self.mode == "fp32" else decode_bf16(stored)
+    @staticmethod
+    def _decode_hidden(stored: np.ndarray, encoding: str, dtype: torch.dtype) -> torch.Tensor:
+        """A bf16 or fp32 hidden-state array's rows as `dtype` (bf16: byte planes, uint8, in
+        format 3; the uint16 bits in formats 1 and 2)."""
+        if encoding == "fp32":
+            return torch.from_numpy(stored).to(dtype)
+        return (decode_bf16_planes(stored) if stored.dtype == np.uint8 else decode_bf16(stored)).to(dtype)
+
+    def _final_side(self, shard: _OpenShard, ref: SampleRef, loss_mask: torch.Tensor
+                    ) -> dict[str, Any]:
+        """The sample's stored rows of each final-side array, and where they go ("rows": a
+        slice of all T rows, or the bool mask of its target rows)."""
+        start, stop = int(shard.final_offsets[ref.index]), int(shard.final_offsets[ref.index + 1])
+        found: dict[str, Any] = {"rows": slice(None), "length": len(loss_mask)}
+        if self._storage.final_rows == "loss":
+            found["rows"] = target_rows(loss_mask)
+            if int(found["rows"].sum()) != stop - start:
+                raise ShardCorruptError(shard.name, FINAL_OFFSETS, [ref.sample_id],
+                                        f"{stop - start} final-side rows stored, the loss mask has "
+                                        f"{int(found['rows'].sum())} target rows")
+        for name in self._storage.final_arrays():
+            found[name] = shard.read(name, slice(start, stop), [ref.sample_id])
+        return found
+
+    @staticmethod
+    def _spread(values: torch.Tensor | np.ndarray, final_side: Mapping[str, Any], fill: float
+                ) -> torch.Tensor:
+        """A final-side array's rows of a sample in place among its T rows, `fill` elsewhere."""
+        values = torch.as_tensor(values)
+        if isinstance(final_side["rows"], slice):  # final_rows all: every row is there
+            return values
+        full = torch.full((final_side["length"], *values.shape[1:]), fill, dtype=values.dtype)
+        full[final_side["rows"]] = values
+        return full
 
     def _shard(self, name: str) -> _OpenShard:
         if name in self._open:
@@ -294,13 +376,25 @@ def _verify_shard(folder: Path, meta: Mapping[str, Any], entry: ShardEntry | Non
     except ShardCorruptError as error:
         return [_problem(error, entry.sample_ids if entry else None)]
     problems = _metadata_problems(shard, meta, entry)
-    for name in _expected_arrays(meta["storage"]["mode"]):
+    for name in storage_of(meta).arrays():
         problems += _chunk_problems(shard, name)
-    return problems
+    return problems + _final_offsets_problems(shard, storage_of(meta))
 
 
-def _expected_arrays(mode: str) -> tuple[str, ...]:
-    return (INPUT_IDS, LOSS_MASK, AUX, FINAL, OFFSETS) + ((AUX_SCALE,) if mode == "fp8" else ())
+def _final_offsets_problems(shard: _OpenShard, storage: StorageSettings) -> list[Problem]:
+    """Each sample's count of stored final-side rows against the target rows of its loss mask
+    (a checksum cannot see a writer that put them wrong)."""
+    if storage.final_rows != "loss" or FINAL_OFFSETS not in shard.arrays:
+        return []
+    try:
+        mask = torch.from_numpy(shard.read(LOSS_MASK, slice(None), shard.sample_ids).astype(bool))
+    except ShardCorruptError:
+        return []  # an unreadable chunk, named by _chunk_problems
+    wrong = [sample_id for i, sample_id in enumerate(shard.sample_ids)
+             if int(target_rows(mask[shard.offsets[i]:shard.offsets[i + 1]]).sum())
+             != shard.final_offsets[i + 1] - shard.final_offsets[i]]
+    return [Problem(shard.name, FINAL_OFFSETS, tuple(wrong), "the final-side rows it gives do "
+                    "not match the target rows of the loss mask")] if wrong else []
 
 
 def _metadata_problems(shard: _OpenShard, meta: Mapping[str, Any], entry: ShardEntry | None
@@ -310,18 +404,28 @@ def _metadata_problems(shard: _OpenShard, meta: Mapping[str, Any], entry: ShardE
         messages = [f"differs from store.json: {m}" for m in _mismatches(shard.attributes, meta)]
     except KeyError as missing:
         messages = [f"attribute {missing} is missing"]
+    except (ValueError, TypeError) as error:
+        messages = [f"its storage attributes cannot be read: {error}"]
     if entry is not None and (entry.sample_ids != shard.sample_ids
                               or entry.num_tokens != np.diff(shard.offsets).tolist()):
         messages.append("the manifest's sample ids or token counts differ from the shard's")
-    tokens = int(shard.offsets[-1])
-    for name in _expected_arrays(meta["storage"]["mode"]):
-        rows = len(shard.offsets) if name == OFFSETS else tokens
+    storage = storage_of(meta)
+    for name in storage.arrays():
         array = shard.arrays.get(name)
+        rows = _expected_rows(shard, storage, name)
         if array is None:
             messages.append(f"array {name} is missing")
         elif array.shape[0] != rows:
             messages.append(f"array {name} has {array.shape[0]} rows, the offsets say {rows}")
     return [Problem(shard.name, None, every, m) for m in messages]
+
+
+def _expected_rows(shard: _OpenShard, storage: StorageSettings, name: str) -> int:
+    if name in (OFFSETS, FINAL_OFFSETS):
+        return len(shard.offsets)
+    if name in storage.final_arrays():
+        return int(shard.final_offsets[-1])
+    return int(shard.offsets[-1])
 
 
 def _chunk_problems(shard: _OpenShard, name: str) -> list[Problem]:
@@ -330,9 +434,12 @@ def _chunk_problems(shard: _OpenShard, name: str) -> list[Problem]:
     if array is None:
         return []
     rows, problems = array.chunks[0], []
+    # The final side's rows are located by final_offsets where it holds target rows only.
+    offsets = shard.final_offsets if name in (FINAL, TARGET_IDS, TARGET_LOGPROBS) else shard.offsets
     for start in range(0, array.shape[0], rows):
         stop = min(start + rows, array.shape[0])
-        covered = shard.sample_ids if name == OFFSETS else shard.samples_in(start, stop)
+        covered = (shard.sample_ids if name in (OFFSETS, FINAL_OFFSETS)
+                   else shard.samples_in(start, stop, offsets))
         try:
             shard.read(name, slice(start, stop), covered)
         except ShardCorruptError as error:

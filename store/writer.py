@@ -21,9 +21,10 @@ from infra import failpoint
 from store.durable import (Manifest, ShardEntry, _all_manifests, _committed_shards, _fsync_dir, _fsync_tree,
                            _load_manifest, _lock_rank, _manifest_path, _metadata_sha256, _nbytes_on_disk,
                            _write_manifest)
-from store.format import (AUX, AUX_SCALE, CORRUPT_PREFIX, FINAL, FORMAT_VERSION, INPUT_IDS, LOSS_MASK,
-                          MANIFEST_DIR, OFFSETS, SHARDS_DIR, TMP_PREFIX, StorageSettings, _shard_index,
-                          _shard_rank, _write_shard, encode_bf16, encode_fp8, shard_name)
+from store.encoding import encode_bf16_planes, encode_fp4, encode_fp8, encode_topk, target_rows
+from store.format import (AUX, AUX_SCALE, CORRUPT_PREFIX, FINAL, FINAL_OFFSETS, FORMAT_VERSION, INPUT_IDS,
+                          LOSS_MASK, MANIFEST_DIR, OFFSETS, SHARDS_DIR, TARGET_IDS, TARGET_LOGPROBS,
+                          TMP_PREFIX, StorageSettings, _shard_index, _shard_rank, _write_shard, shard_name)
 from store.identity import LEGACY_AUX_CAPTURE, _create_or_check_meta, _store_meta
 from store.reader import ShardCorruptError, _entry_of, _problem, _store_index, _verify_shard
 
@@ -110,12 +111,16 @@ class StoreWriter:
 
     Reopening a store after a crash resumes it: this rank's unfinished shards are removed, its
     committed shards missing from its manifest adopted, and `done_sample_ids()` says what to skip.
+
+    target_head: the verifier's lm_head [V, H], needed where the storage settings say final: topk
+    (the writer stores the top-k of log_softmax(final @ target_head.T), computed on its device);
+    unused otherwise.
     """
 
     def __init__(self, path: str | Path, identity: Mapping[str, Any], aux_layer_ids: Sequence[int],
                  storage_cfg: Mapping[str, Any], dump_cfg: Any = None, *, aux_convention: str,
                  aux_capture: str = LEGACY_AUX_CAPTURE, rank: int | None = None,
-                 world_size: int | None = None):
+                 world_size: int | None = None, target_head: torch.Tensor | None = None):
         self.path = Path(path)
         self.rank, self.world_size = dist_env(rank, world_size)
         self.storage = StorageSettings.from_cfg(storage_cfg)
@@ -126,6 +131,7 @@ class StoreWriter:
         self.hidden_size = int(wanted["verifier"]["hidden_size"])
         self.vocab_size = int(wanted["verifier"]["vocab_size"])
         self.num_aux = len(wanted["aux_layer_ids"])
+        self._target_head = _checked_head(self.storage, target_head, self.hidden_size, self.vocab_size)
         self.stats = WriterStats()
         self._lock: IO[bytes] | None = None
         try:
@@ -218,9 +224,10 @@ class StoreWriter:
     def add(self, sample_id: str, input_ids: torch.Tensor | np.ndarray,
             loss_mask: torch.Tensor | np.ndarray, aux: torch.Tensor | np.ndarray,
             final: torch.Tensor | np.ndarray) -> bool:
-        """Buffer a sample (input_ids [T], loss_mask [T], aux [T, n_aux, H], final [T, H]);
-        False when it is rejected for non-finite hidden states or no tokens. Nothing is written
-        until `commit_if_full` or `close`."""
+        """Buffer a sample (input_ids [T], loss_mask [T], aux [T, n_aux, H], final [T, H]: every
+        row; the storage settings choose what is kept of final); False when it is rejected for
+        non-finite hidden states or no tokens. Nothing is written until `commit_if_full` or
+        `close`."""
         if self._closed:
             raise RuntimeError(f"store writer for {self.path} is closed")
         self._check_new(sample_id)
@@ -288,19 +295,36 @@ class StoreWriter:
 
     def _encode(self, ids: torch.Tensor, mask: torch.Tensor, aux: torch.Tensor,
                 final: torch.Tensor) -> dict[str, np.ndarray]:
-        # Copies (the caller may reuse its buffers), as encode_bf16 and encode_fp8 make too.
+        # Copies (the caller may reuse its buffers), as every encode_* function makes too.
         arrays = {INPUT_IDS: ids.to("cpu", torch.int32, copy=True).numpy(),
                   LOSS_MASK: mask.to("cpu", torch.bool, copy=True).numpy()}
-        if self.storage.mode == "fp32":
-            arrays[AUX] = aux.to("cpu", torch.float32, copy=True).numpy()
-            arrays[FINAL] = final.to("cpu", torch.float32, copy=True).numpy()
-            return arrays
-        if self.storage.mode == "fp8":
-            arrays[AUX], arrays[AUX_SCALE] = encode_fp8(aux)
-        else:
-            arrays[AUX] = encode_bf16(aux)
-        arrays[FINAL] = encode_bf16(final)
+        arrays.update(self._encode_aux(aux))
+        if self.storage.final_rows == "loss":  # the rows a training loss reads, no others
+            final = final[target_rows(mask).to(final.device)]
+        arrays.update(self._encode_final(final))
         return arrays
+
+    def _encode_aux(self, aux: torch.Tensor) -> dict[str, np.ndarray]:
+        encoding = self.storage.aux
+        if encoding == "fp32":
+            return {AUX: aux.to("cpu", torch.float32, copy=True).numpy()}
+        if encoding == "fp8":
+            codes, scale = encode_fp8(aux)
+            return {AUX: codes, AUX_SCALE: scale}
+        if encoding == "fp4":
+            codes, scale = encode_fp4(aux, self.storage.fp4_block)
+            return {AUX: codes, AUX_SCALE: scale}
+        return {AUX: encode_bf16_planes(aux)}
+
+    def _encode_final(self, final: torch.Tensor) -> dict[str, np.ndarray]:
+        encoding = self.storage.final
+        if encoding == "topk":
+            assert self._target_head is not None  # _checked_head made sure
+            ids, logprobs = encode_topk(final, self._target_head, self.storage.topk)
+            return {TARGET_IDS: ids, TARGET_LOGPROBS: logprobs}
+        if encoding == "fp32":
+            return {FINAL: final.to("cpu", torch.float32, copy=True).numpy()}
+        return {FINAL: encode_bf16_planes(final)}
 
     def _commit(self) -> None:
         """Write the buffered samples as one shard: tmp folder, fsync, rename (the commit point),
@@ -308,7 +332,7 @@ class StoreWriter:
         name = shard_name(self.rank, self._next_index)
         final_folder = self.path / SHARDS_DIR / name
         tmp_folder = final_folder.with_name(TMP_PREFIX + name)
-        arrays = _concatenate(self._pending)
+        arrays = _concatenate(self._pending, self.storage)
         try:
             metadata = self._write_tmp_shard(tmp_folder, arrays)
             failpoint("store.shard.before_rename")
@@ -420,12 +444,41 @@ def _rejection(ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor) -> str
     return "; ".join(reasons) or None
 
 
-def _concatenate(pending: Sequence[_Pending]) -> dict[str, np.ndarray]:
+def _checked_head(storage: StorageSettings, head: torch.Tensor | None, hidden_size: int,
+                  vocab_size: int) -> torch.Tensor | None:
+    """What the storage settings need of the verifier's shapes, checked before anything is
+    written; the lm_head as encode_topk uses it (float32, on its device), where final is topk."""
+    if storage.aux == "fp4" and (hidden_size % 2 or hidden_size % storage.fp4_block):
+        raise ValueError(f"storage mode {storage.mode!r}: aux fp4 needs fp4_block "
+                         f"({storage.fp4_block}) to divide the hidden size {hidden_size}, and an "
+                         "even hidden size")
+    if storage.final != "topk":
+        return None
+    if storage.topk > vocab_size:
+        raise ValueError(f"storage mode {storage.mode!r}: topk {storage.topk} is more than the "
+                         f"vocabulary of {vocab_size} tokens")
+    if head is None:
+        raise ValueError(f"storage mode {storage.mode!r} stores the verifier's top-{storage.topk} "
+                         "next-token distribution (final: topk): pass StoreWriter the verifier's "
+                         "lm_head [V, H] as target_head")
+    if tuple(head.shape) != (vocab_size, hidden_size):
+        raise ValueError(f"target_head has shape {tuple(head.shape)}; the verifier's lm_head is "
+                         f"[vocab_size, hidden_size] = [{vocab_size}, {hidden_size}]")
+    return head.detach().float()  # a no-op for a float32 head
+
+
+def _concatenate(pending: Sequence[_Pending], storage: StorageSettings) -> dict[str, np.ndarray]:
     arrays = {name: np.concatenate([p.arrays[name] for p in pending])
               for name in pending[0].arrays}
-    lengths = [len(p.arrays[INPUT_IDS]) for p in pending]
-    arrays[OFFSETS] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    arrays[OFFSETS] = _offsets([len(p.arrays[INPUT_IDS]) for p in pending])
+    if storage.final_rows == "loss":  # each sample's share of the compacted final side
+        final_side = storage.final_arrays()[0]
+        arrays[FINAL_OFFSETS] = _offsets([len(p.arrays[final_side]) for p in pending])
     return arrays
+
+
+def _offsets(lengths: Sequence[int]) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
 
 
 def _done_ids(path: Path) -> set[str]:

@@ -32,6 +32,7 @@ from store import (
     inspect_store,
     rank_of,
     read_store_meta,
+    target_rows,
     verifier_identity,
 )
 from store.durable import _read_manifest, _write_manifest
@@ -40,7 +41,7 @@ H, N_AUX, VOCAB = 32, 3, 1000
 AUX_IDS = [2, 4, 5]
 IDENTITY = {"name": "test-verifier", "config_sha256": "c" * 64, "tokenizer_sha256": "t" * 64,
             "hidden_size": H, "vocab_size": VOCAB, "num_hidden_layers": 8}
-SAMPLE_BYTES = 12 * (N_AUX * H * 2 + H * 2 + 5)  # a sample of 12 tokens, bf16 mode
+SAMPLE_BYTES = 12 * (N_AUX * H * 2 + H * 2 + 5)  # a sample of 12 tokens, bf16 aux and final
 
 
 def storage(name: str = "lossless", **overrides: Any) -> dict[str, Any]:
@@ -98,10 +99,14 @@ IDS = [f"s{i:03d}" for i in range(24)]
 
 
 def test_lossless_round_trip_is_bit_exact(tmp_path: Path) -> None:
+    """Aux states bit exact in bf16; the final state bit exact on the rows a loss reads (the
+    preset keeps only those: final_rows loss), 0 on the others."""
     stats = write_store(tmp_path, IDS).stats
     assert stats.samples == len(IDS) and stats.shards > 1 and not stats.rejected
     reader = StoreReader(tmp_path)
-    assert (reader.identity, reader.aux_layer_ids, reader.mode) == (IDENTITY, AUX_IDS, "bf16")
+    assert (reader.identity, reader.aux_layer_ids, reader.mode) == (IDENTITY, AUX_IDS, "lossless")
+    assert (reader.aux_encoding, reader.final_encoding, reader.final_rows, reader.topk) == \
+        ("bf16", "bf16", "loss", None)
     assert [ref.sample_id for ref in reader.samples()] == IDS  # one rank keeps its order
     for ref in reader.samples():
         sample, expected = reader.read_sample(ref), make_sample(ref.sample_id)
@@ -109,15 +114,21 @@ def test_lossless_round_trip_is_bit_exact(tmp_path: Path) -> None:
         assert torch.equal(sample.input_ids, expected["input_ids"])
         assert torch.equal(sample.loss_mask, expected["loss_mask"])
         assert sample.aux.dtype == sample.final.dtype == torch.bfloat16
+        assert sample.target_ids is None and sample.target_logprobs is None
         np.testing.assert_array_equal(encode_bf16(sample.aux), encode_bf16(expected["aux"]))
-        np.testing.assert_array_equal(encode_bf16(sample.final), encode_bf16(expected["final"]))
+        rows = target_rows(expected["loss_mask"])
+        np.testing.assert_array_equal(encode_bf16(sample.final[rows]), encode_bf16(expected["final"][rows]))
+        assert not sample.final[~rows].any()
     assert reader.verify() == []
 
 
 def test_fp32_round_trip_is_exact_and_tokens_read_alone(tmp_path: Path) -> None:
-    """fp32 mode: the states of a verifier computing in fp32 (kimi-tiny on CPU), unrounded."""
-    write_store(tmp_path, IDS[:6], storage("lossless", mode="fp32"))  # conf/store has no fp32.yaml
+    """fp32 mode: the states of a verifier computing in fp32 (kimi-tiny on CPU), unrounded, at
+    every position (final_rows all)."""
+    write_store(tmp_path, IDS[:6], storage("fp32"))
     reader = StoreReader(tmp_path)
+    assert (reader.mode, reader.aux_encoding, reader.final_encoding, reader.final_rows) == \
+        ("fp32", "fp32", "fp32", "all")
     for ref in reader.samples():
         sample, expected = reader.read_sample(ref, torch.float32), make_sample(ref.sample_id)
         assert torch.equal(sample.aux, expected["aux"]) and torch.equal(sample.final, expected["final"])
@@ -153,7 +164,8 @@ def test_fp8_keeps_three_mantissa_bits_per_value(tmp_path: Path) -> None:
         scale = x.abs().amax(-1, keepdim=True) / 448
         assert ((sample.aux - x).abs() <= x.abs() / 16 + scale * 2**-10 + 1e-6 * x.abs()).all()
         # The final hidden state defines the target: lossless (bf16) in fp8 mode too.
-        np.testing.assert_array_equal(encode_bf16(sample.final), encode_bf16(expected["final"]))
+        rows = target_rows(expected["loss_mask"])
+        np.testing.assert_array_equal(encode_bf16(sample.final[rows]), encode_bf16(expected["final"][rows]))
     assert reader.verify() == []
 
 
@@ -170,14 +182,17 @@ def test_chunks_sized_from_h_and_one_file_per_array(tmp_path: Path) -> None:
     write_store(tmp_path, IDS[:6], storage(shard_bytes=1 << 30))  # one shard holds all
     shard = next((tmp_path / SHARDS_DIR).iterdir())
     files = data_files(shard)
-    assert set(files) == {"input_ids", "loss_mask", "aux_hidden", "final_hidden", "sample_offsets"}
+    assert set(files) == {"input_ids", "loss_mask", "aux_hidden", "final_hidden", "sample_offsets",
+                          "final_offsets"}
     assert all(len(f) == 1 for f in files.values()), files  # the sharding codec: one file
     reader = StoreReader(tmp_path)
     arrays = reader._shard(shard.name).arrays
-    assert arrays[AUX].chunks[0] == 2048 // (N_AUX * H * 2)  # 10 tokens per 2 KiB chunk
-    assert arrays["final_hidden"].chunks[0] == 2048 // (H * 2)
+    # bf16 byte planes: one plane of one byte per value in a chunk, 21 tokens per 2 KiB chunk
+    assert arrays[AUX].chunks == (2048 // (N_AUX * H), 1, N_AUX, H)
+    final = arrays["final_hidden"]   # target rows only: fewer than one chunk's worth here
+    assert final.chunks == (min(final.shape[0], 2048 // H), 1, H)
     tokens = sum(ref.num_tokens for ref in reader.samples())
-    assert arrays[AUX].nchunks == -(-tokens // arrays[AUX].chunks[0]) > 1
+    assert arrays[AUX].nchunks == 2 * -(-tokens // arrays[AUX].chunks[0]) > 2
 
 
 def test_non_finite_samples_are_rejected_and_named(tmp_path: Path) -> None:
@@ -205,7 +220,8 @@ def test_resume_with_other_settings_is_refused(tmp_path: Path) -> None:
         open_writer(tmp_path, identity=other)
     with pytest.raises(StoreMismatchError, match=r"aux_layer_ids: store has \[2, 4, 5\], this run has \[1, 3, 4\]"):
         open_writer(tmp_path, aux_ids=[1, 3, 4])
-    with pytest.raises(StoreMismatchError, match="storage.mode: store has 'bf16', this run has 'fp8'"):
+    with pytest.raises(StoreMismatchError, match="storage.mode: store has 'lossless', this run has "
+                       "'fp8'; storage.aux: store has 'bf16', this run has 'fp8'"):
         open_writer(tmp_path, storage("fp8"))
     open_writer(tmp_path, identity={**IDENTITY, "name": "renamed"})  # same hashes: fine
 
@@ -225,11 +241,18 @@ def test_aux_capture_is_recorded_shown_and_must_match_on_resume(tmp_path: Path) 
         open_writer(tmp_path / "other", aux_capture="post_norm")
 
 
+def legacy_storage(block: dict[str, Any], mode: str) -> dict[str, Any]:
+    """A storage block as formats 1 and 2 wrote it: one mode (bf16, fp8, fp32) for both states."""
+    return {"mode": mode, **{k: block[k] for k in ("compressor", "target_chunk_bytes", "shard_bytes")}}
+
+
 def as_format_1(path: Path) -> None:
-    """Rewrite a store as format-1 code wrote it, before store.json named the aux capture: plain
-    JSON without sha256 lines, manifest entries without metadata hashes."""
+    """Rewrite a store (written with bf16 encodings, every final row) as format-1 code wrote it,
+    before store.json named the aux capture: plain JSON without sha256 lines, manifest entries
+    without metadata hashes, one storage mode."""
     meta = read_store_meta(path)
     del meta["aux_capture"]
+    meta["storage"] = legacy_storage(meta["storage"], "bf16")
     (path / STORE_META).write_text(json.dumps({**meta, "format_version": 1}))
     for file in (path / MANIFEST_DIR).glob("rank-*.json"):
         manifest = _read_manifest(file)
@@ -240,18 +263,24 @@ def as_format_1(path: Path) -> None:
         group = json.loads((shard / "zarr.json").read_text())
         del group["attributes"]["aux_capture"]
         group["attributes"]["format_version"] = 1
+        group["attributes"]["storage"] = meta["storage"]
         (shard / "zarr.json").write_text(json.dumps(group))
 
 
 def test_format_1_store_reads_as_residual_stream_and_is_not_written_to(tmp_path: Path) -> None:
-    write_store(tmp_path, IDS[:6])
+    write_store(tmp_path, IDS[:6], storage(final_rows="all"))
     as_format_1(tmp_path)
     reader = StoreReader(tmp_path)
     assert reader.aux_capture == "residual_stream" and reader.verify() == []
-    assert set(read_all(tmp_path)) == set(IDS[:6])
+    assert (reader.mode, reader.aux_encoding, reader.final_encoding, reader.final_rows) == \
+        ("bf16", "bf16", "bf16", "all")
+    samples = read_all(tmp_path)
+    assert set(samples) == set(IDS[:6])
+    for sample_id, sample in samples.items():
+        np.testing.assert_array_equal(encode_bf16(sample.final), encode_bf16(make_sample(sample_id)["final"]))
     text = format_inspect(inspect_store(tmp_path))
     assert "residual_stream capture" in text and "(format 1)" in text and "carry no checksum" in text
-    with pytest.raises(StoreMismatchError, match="format version 1, this code writes version 2"):
+    with pytest.raises(StoreMismatchError, match="format version 1, this code writes version 3"):
         open_writer(tmp_path)
 
 
@@ -261,7 +290,7 @@ def test_a_checked_json_file_without_its_sha256_line_is_not_read_as_format_1(tmp
     for file in (tmp_path / STORE_META, manifest):
         original = file.read_bytes()
         body = original[:original.rindex(b"\nsha256:")]
-        file.write_bytes(body)  # valid JSON, version 2, no sha256 line
+        file.write_bytes(body)  # valid JSON, version 3, no sha256 line
         with pytest.raises(StoreCorruptError, match=f"{file.name} is damaged: it does not end with"):
             StoreReader(tmp_path)
         report = inspect_store(tmp_path)
@@ -384,8 +413,9 @@ def test_flipped_byte_is_named_by_verify_inspect_and_reader(tmp_path: Path) -> N
     shard_name = reader.shards()[0].name
     shard = reader._shard(shard_name)
     rows = shard.arrays[AUX].chunks[0]
-    _flip_byte_in_chunk(tmp_path / SHARDS_DIR / shard_name / "aux_hidden/c/0/0/0",
-                        shard.arrays[AUX].nchunks, chunk=1)
+    # Chunks in C order over (row block, plane): chunk 2 is the high plane of the second row block.
+    _flip_byte_in_chunk(tmp_path / SHARDS_DIR / shard_name / "aux_hidden/c/0/0/0/0",
+                        shard.arrays[AUX].nchunks, chunk=2)
     hit = shard.samples_in(rows, 2 * rows)
     assert hit and len(hit) < len(IDS[:6])
 
@@ -409,9 +439,14 @@ def test_flipped_byte_is_named_by_verify_inspect_and_reader(tmp_path: Path) -> N
 
 
 def test_inspect_reports_sizes(tmp_path: Path) -> None:
-    write_store(tmp_path, IDS[:8])
+    write_store(tmp_path, IDS[:8], storage(final_rows="all"))  # every row: (n_aux + 1) * H * 2 B/token
     report = inspect_store(tmp_path)
     assert report["samples"] == 8 and report["problems"] == []
     assert report["reference_bytes_per_token"] == 4 * H * 2
     assert report["logical_bytes_per_token"] == pytest.approx(4 * H * 2 + 5, abs=2)
     assert report["bytes_per_token"] > 0 and "verified: OK" in format_inspect(report)
+    arrays = report["arrays"]
+    assert set(arrays) == {"input_ids", "loss_mask", "aux_hidden", "final_hidden", "sample_offsets"}
+    assert sum(a["bytes"] for a in arrays.values()) + report["bytes_on_disk_by_array"]["metadata"] \
+        == report["bytes_on_disk"]
+    assert arrays["aux_hidden"]["bytes_per_token"] == arrays["aux_hidden"]["bytes"] / report["tokens"]

@@ -74,16 +74,22 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 # ---- a flipped byte in every kind of file ----------------------------------------------------
 CORRUPT_IDS = [f"c{i:02d}" for i in range(8)]  # two shards; aux_hidden in several chunks
-# The kinds of file each mode's store is flipped in (a prefix): all in bf16; in fp8, those that
-# differ (aux_hidden as e4m3, aux_scale).
-CORRUPT_KINDS = {"bf16": "", "fp8": "aux_"}
+# The kinds of file each preset's store is flipped in (a prefix): all in lossless (final_hidden
+# compacted to target rows, final_offsets); in fp8 and fp4, those that differ (aux_hidden as e4m3
+# or e2m1 codes, aux_scale).
+CORRUPT_KINDS = {"lossless": "", "fp8": "aux_", "fp4": "aux_"}
+# Per preset: shards of about half its encoded bytes of CORRUPT_IDS (two shards), chunks small
+# enough that aux_hidden has several.
+CORRUPT_STORAGE = {"lossless": {"target_chunk_bytes": 4096},
+                   "fp8": {"target_chunk_bytes": 4096, "shard_bytes": 6000},
+                   "fp4": {"target_chunk_bytes": 1024, "shard_bytes": 4000}}
 
 
-@pytest.fixture(scope="module", params=["lossless", "fp8"])
+@pytest.fixture(scope="module", params=["lossless", "fp8", "fp4"])
 def pristine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small store: bf16, or fp8 with its aux_scale arrays."""
+    """A small store: lossless, or fp8 / fp4 with their aux_scale arrays."""
     path = tmp_path_factory.mktemp(request.param) / "store"
-    write_store(path, CORRUPT_IDS, storage(request.param, target_chunk_bytes=4096))
+    write_store(path, CORRUPT_IDS, storage(request.param, **CORRUPT_STORAGE[request.param]))
     assert len(StoreReader(path).shards()) == 2
     return path
 
@@ -144,7 +150,7 @@ def test_a_flipped_byte_in_any_file_is_named_and_never_read_as_data(
             shutil.rmtree(copy)
     print(f"{mode}: {len(kinds)} kinds of file, {injected} flipped bytes injected, "
           f"{injected - len(missed)} detected")
-    assert missed == [] and len(kinds) == {"bf16": 13, "fp8": 4}[mode]
+    assert missed == [] and len(kinds) == {"lossless": 15, "fp8": 4, "fp4": 4}[mode]
 
 
 def test_inspect_command_exits_nonzero_on_a_damaged_store_json(uninterrupted: Path, tmp_path: Path) -> None:

@@ -148,9 +148,16 @@ def _misread(copy: Path, original: Path, shard: str) -> bool:
 
 
 def differing_arrays(want: Sample, got: Sample) -> list[str]:
-    """The arrays of two reads of a sample that are not bit for bit equal (as float32)."""
-    return [name for name in ("input_ids", "loss_mask", "aux", "final")
-            if not np.array_equal(getattr(want, name).float().numpy(), getattr(got, name).float().numpy())]
+    """The arrays of two reads of a sample that are not bit for bit equal (as float32); a store of
+    top-k targets has no final states (None on both sides)."""
+    return [name for name in ("input_ids", "loss_mask", "aux", "final", "target_ids", "target_logprobs")
+            if not _same(getattr(want, name), getattr(got, name))]
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return np.array_equal(a.float().numpy(), b.float().numpy())
 
 
 # ---- kills -----------------------------------------------------------------------------------
