@@ -78,6 +78,12 @@ def answer_spans(loss_mask: Tensor) -> list[tuple[int, int]]:
 def chain_outcomes(draft: Eagle3Draft, target_head: Tensor, sample: Sample, K: int,
                    sampling: Sampling | None, chunk: int) -> tuple[Tensor, Tensor | None]:
     """(agree [T, K] bool, alpha [T, K] float or None) of the chains at every position of one sample."""
+    if sample.final is None:
+        # The replay needs the verifier's full distribution (any temperature, top-p): top-k
+        # targets cannot give it.
+        raise ValueError(f"sample {sample.sample_id!r} has no final hidden states (its store keeps the "
+                         "verifier's top-k targets instead): the accept-length simulation needs them, "
+                         "so evaluation stores must keep final states (dump them with conf/store lossless)")
     batch = collate_rows([pack_row([(sample.input_ids, sample.loss_mask, sample.aux, sample.final)],
                                    len(sample.input_ids))])
     final = batch["final"][0]                                            # [T, H]
@@ -127,5 +133,10 @@ def simulate_store(draft: Eagle3Draft, target_head: Tensor, store: StoreReader, 
     dtype = draft.fc.weight.dtype
     for ref in tqdm(refs, desc=f"simulate {store.path.parent.name}/{store.path.name}", unit="sample", disable=not progress):
         sample = store.read_sample(ref, dtype)
+        if sample.final is None:
+            raise ValueError(f"store {store.path}: sample {sample.sample_id!r} has no final hidden states "
+                             "(the store keeps the verifier's top-k targets instead); the accept-length "
+                             "simulation needs them, so evaluation stores must keep final states (dump "
+                             "them with conf/store lossless)")
         total = total + simulate_sample(draft, target_head, sample, K, sampling, chunk)
     return total

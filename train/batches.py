@@ -2,15 +2,27 @@
 
 A row concatenates whole samples (each cut to `max_len` tokens) up to `max_len` tokens:
 
-    input_ids    [L] int64
-    loss_mask    [L] bool      1 iff the token was written by the assistant (as stored)
-    aux          [L, n_aux*H]  bf16, the aux layers concatenated in aux_layer_ids order
-    final        [L, H]        bf16, the verifier's post-norm final hidden state
-    position_ids [L] int64     restart at 0 in every sample
-    segment_ids  [L] int64     0, 1, ... one id per sample of the row
+    input_ids       [L] int64
+    loss_mask       [L] bool      1 iff the token was written by the assistant (as stored)
+    aux             [L, n_aux*H]  bf16, the aux layers concatenated in aux_layer_ids order
+    final           [L, H]        bf16, the verifier's post-norm final hidden state
+    position_ids    [L] int64     restart at 0 in every sample
+    segment_ids     [L] int64     0, 1, ... one id per sample of the row
+
+or, from a store that keeps the verifier's top-k next-token distribution instead of its final
+state (Sample.final None), in place of `final`:
+
+    target_ids      [L, k] int64    the verifier's k most likely next tokens after each position,
+                                    most likely first, target vocabulary ids; -1 on rows not stored
+    target_logprobs [L, k] float32  their log-probabilities (full-vocabulary softmax, temperature
+                                    1); -inf on rows not stored
+
+A store's samples are all one kind, so a row and a micro-batch are too (train/objective.py picks
+its loss by the key). Only rows the loss reads are stored (row j iff loss_mask[j + 1]).
 
 A micro-batch stacks rows, padded at the end to its longest: padding has segment id -1 (no
-sample uses it, so attention never mixes it with a sample) and loss_mask False.
+sample uses it, so attention never mixes it with a sample), loss_mask False, and target ids -1
+with log-probabilities -inf (never read: no counted position points at them).
 
 With `last_turn_only` (train.loss.last_turn_only) a sample's loss_mask keeps only its last
 contiguous run of assistant tokens, the last assistant turn, found on the whole stored sample
@@ -43,10 +55,14 @@ from torch.utils.data import DataLoader, Dataset
 from data.conversations import is_held_out, sharegpt_split_key
 from model.aux_ids import to_vllm_aux_ids
 from model.draft import DraftConfig
-from store import LEGACY_AUX_CAPTURE, SampleRef, StoreMismatchError, StoreReader, verifier_identity
+from store import LEGACY_AUX_CAPTURE, Sample, SampleRef, StoreMismatchError, StoreReader, verifier_identity
 
 Batch = dict[str, Tensor]
 PAD_SEGMENT = -1
+# What a sample is trained towards: its final states [T, H], or its top-k targets
+# (target_ids [T, k], target_logprobs [T, k]).
+Targets = Tensor | tuple[Tensor, Tensor]
+RowSample = tuple[Tensor, Tensor, Tensor, Targets]          # (input_ids, loss_mask, aux, targets)
 
 
 # ---- the store against the draft ---------------------------------------------------------
@@ -177,8 +193,7 @@ class PackedRows(Dataset):
         if self._reader is None:  # opened lazily: in the worker process, not pickled into it
             self._reader = StoreReader(self.store)
         samples = [self._reader.read_sample(self.refs[j]) for j in self.rows[i]]
-        return pack_row([(s.input_ids, s.loss_mask, s.aux, s.final) for s in samples], self.max_len,
-                        self.last_turn_only)
+        return pack_row([row_sample(s) for s in samples], self.max_len, self.last_turn_only)
 
     def __getstate__(self) -> dict[str, Any]:
         return self.__dict__ | {"_reader": None}
@@ -198,19 +213,43 @@ def last_turn_mask(loss_mask: Tensor) -> Tensor:
     return kept
 
 
-def pack_row(samples: Sequence[tuple[Tensor, Tensor, Tensor, Tensor]], max_len: int,
-             last_turn_only: bool = False) -> Batch:
-    """(input_ids [T], loss_mask [T], aux [T, n_aux, H], final [T, H]) per sample -> one row."""
-    parts: dict[str, list[Tensor]] = {k: [] for k in ("input_ids", "loss_mask", "aux", "final",
+def row_sample(sample: Sample) -> RowSample:
+    """A store sample (store.Sample) as pack_row takes it: its final states, or its top-k targets
+    when the store keeps those instead (final None)."""
+    if sample.final is not None:
+        return sample.input_ids, sample.loss_mask, sample.aux, sample.final
+    target_ids = getattr(sample, "target_ids", None)
+    target_logprobs = getattr(sample, "target_logprobs", None)
+    if target_ids is None or target_logprobs is None:
+        raise ValueError(f"sample {sample.sample_id!r} has neither final states nor top-k targets")
+    return sample.input_ids, sample.loss_mask, sample.aux, (target_ids, target_logprobs)
+
+
+def _is_topk(targets: Targets) -> bool:
+    return isinstance(targets, tuple)
+
+
+def pack_row(samples: Sequence[RowSample], max_len: int, last_turn_only: bool = False) -> Batch:
+    """(input_ids [T], loss_mask [T], aux [T, n_aux, H], targets) per sample -> one row; targets
+    is final [T, H] or (target_ids [T, k], target_logprobs [T, k]), the same kind for all."""
+    topk = bool(samples) and _is_topk(samples[0][3])
+    if any(_is_topk(s[3]) != topk for s in samples):
+        raise ValueError("a row mixes samples with final states and samples with top-k targets")
+    target_keys = ("target_ids", "target_logprobs") if topk else ("final",)
+    parts: dict[str, list[Tensor]] = {k: [] for k in ("input_ids", "loss_mask", "aux", *target_keys,
                                                       "position_ids", "segment_ids")}
-    for seg, (ids, mask, aux, final) in enumerate(samples):
+    for seg, (ids, mask, aux, targets) in enumerate(samples):
         T = min(len(ids), max_len)
         if last_turn_only:  # on the whole sample: the cut must not promote an earlier turn
             mask = last_turn_mask(mask)
         parts["input_ids"].append(ids[:T].long())
         parts["loss_mask"].append(mask[:T].bool())
         parts["aux"].append(aux[:T].flatten(1))                       # [T, n_aux*H]
-        parts["final"].append(final[:T])
+        if topk:
+            parts["target_ids"].append(targets[0][:T].long())         # [T, k]
+            parts["target_logprobs"].append(targets[1][:T].float())   # [T, k]
+        else:
+            parts["final"].append(targets[:T])
         parts["position_ids"].append(torch.arange(T))
         parts["segment_ids"].append(torch.full((T,), seg, dtype=torch.long))
     row = {k: torch.cat(v) for k, v in parts.items()}
@@ -219,8 +258,8 @@ def pack_row(samples: Sequence[tuple[Tensor, Tensor, Tensor, Tensor]], max_len: 
     return row
 
 
-_PAD = {"input_ids": 0, "loss_mask": False, "aux": 0.0, "final": 0.0, "position_ids": 0,
-        "segment_ids": PAD_SEGMENT}
+_PAD = {"input_ids": 0, "loss_mask": False, "aux": 0.0, "final": 0.0, "target_ids": -1,
+        "target_logprobs": float("-inf"), "position_ids": 0, "segment_ids": PAD_SEGMENT}
 
 
 def collate_rows(rows: Sequence[Batch]) -> Batch:
@@ -228,6 +267,8 @@ def collate_rows(rows: Sequence[Batch]) -> Batch:
     L = max(len(r["input_ids"]) for r in rows)
     out = {}
     for key, fill in _PAD.items():
+        if key not in rows[0]:                # the targets the rows do not carry
+            continue
         first = rows[0][key]
         batch = first.new_full((len(rows), L, *first.shape[1:]), fill)
         for b, r in enumerate(rows):
@@ -285,6 +326,12 @@ class StoreSplit:
         per_rank = math.ceil(len(rows) / world_size)
         filler = mine[0][0] if mine else rows[0]
         return mine + [(filler, False)] * (per_rank - len(mine))
+
+
+def store_keeps_topk(reader: StoreReader) -> bool:
+    """Whether the store's samples carry the verifier's top-k targets instead of its final states
+    (its storage settings say so: store.json's final encoding)."""
+    return reader.final_encoding == "topk"
 
 
 def iterate_token_masks(reader: StoreReader, refs: Sequence[SampleRef]) -> Iterator[tuple[Tensor, Tensor]]:

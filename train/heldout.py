@@ -8,6 +8,10 @@ positions where the draft's top-1 equals the verifier's at step k; accept_length
 position (1 + sum_k share of chains whose drafts 0..k all agree), which is what vLLM measures
 (train/metrics.py). On kimi-tiny's held-out split the two differ by ~0.02; against vLLM's own
 spec-decode counters on the verifier's greedy continuations the chain replay agreed per position.
+
+A store of top-k targets is evaluated as it trains (train/objective.py): the loss is the bucket
+cross-entropy, and the verifier's top-1 is its stored most likely token, so acc_k and both accept
+lengths mean the same as with final states.
 """
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ from model.verifier_weights import read_token_ids, read_verifier_head
 from model.vocab import build_draft_vocab, count_tokens
 from train import engine as E
 from train.batches import (PackedRows, StoreSplit, check_store, iterate_token_masks, make_loader,
-                           rank_rows, to_device)
+                           rank_rows, store_keeps_topk, to_device)
 from train.heldout import evaluate
 from train.metrics import RunLog, step_metrics
 from train.objective import Eagle3Objective, ObjectiveConfig, StepStats
@@ -54,6 +54,7 @@ class RunSetup:
     d2t: torch.Tensor | None
     total_steps: int
     rows_per_step: int
+    topk: bool = False          # the store keeps top-k targets, not final states: no verifier head
 
 
 def _objective_config(cfg: DictConfig, steps: int | None = None) -> ObjectiveConfig:
@@ -93,7 +94,7 @@ def prepare(cfg: DictConfig, run_dir: Path, world_size: int) -> RunSetup:
     d2t = _pruned_vocab(draft_cfg, split, run_dir, verifier) if draft_cfg.pruned else None
     if dist.get_rank() == 0:
         (run_dir / DRAFT_CONFIG).write_text(json.dumps(draft_config_json(draft_cfg), indent=2) + "\n")
-    return RunSetup(draft_cfg, split, verifier, d2t, total, rows_per_step)
+    return RunSetup(draft_cfg, split, verifier, d2t, total, rows_per_step, store_keeps_topk(split.reader))
 
 
 def build_objective(setup: RunSetup, cfg: DictConfig, resuming: bool = False) -> Eagle3Objective:
@@ -108,7 +109,8 @@ def build_objective(setup: RunSetup, cfg: DictConfig, resuming: bool = False) ->
     elif init_from:
         init_from_draft(draft, resolve(init_from))            # refuses a folder that is another draft
         logger.info("draft initialised from %s", resolve(init_from))
-    target_head = read_verifier_head(setup.verifier, torch.float32).lm_head  # [V, H]
+    # [V, H]; a top-k store's loss never reads it, so it is not loaded (4.7 GB fp32 for Kimi).
+    target_head = None if setup.topk else read_verifier_head(setup.verifier, torch.float32).lm_head
     return Eagle3Objective(draft, target_head, _objective_config(cfg))
 
 

@@ -26,8 +26,29 @@ of the micro-batch, weighted w_k = decay^k and summed over steps. With a pruned 
 the target is the verifier's distribution restricted to the draft's tokens (t2d) and renormalised;
 top-1 agreement always compares with the verifier's argmax over the full vocabulary.
 
+Loss from top-k targets. A store may keep, instead of F, the verifier's k most likely next
+tokens and their log-probabilities (batch keys target_ids, target_logprobs; train/batches.py),
+read at the same row t+1+k. The target is then known on its top-k only, so step k's loss is the
+cross-entropy between the (k+1)-bucket coarsenings of target and draft, the buckets being each
+token of S (the top-k ids the draft vocabulary has) and "any other token":
+
+    p_i = p_T(i) for i in S,  r = max(0, 1 - sum_S p_i),  q = softmax(draft logits),  Q = sum_S q_i
+    loss = -sum_S p_i log q_i - r log(1 - Q)            (the r term is 0 when r = 0)
+
+It is the cross-entropy the stored targets determine: with k = V and the full vocabulary it is
+the dense loss above, and its gradient w.r.t. the draft logits, q - p~ with p~ = p on S and
+p~_v = r q_v / (1 - Q) off S, pulls the draft to the target's probability on every token of S and
+to its mass r on the rest, which it spreads the draft's own way (nothing more is known of it).
+Unlike the dense loss it does not renormalise the target over a pruned draft vocabulary: the mass
+of top-k tokens the draft lacks stays in r, the "other" bucket. Where S covers the whole draft
+vocabulary the draft has no other token, and the r term is dropped. Top-1 agreement compares with
+target_ids[..., 0], the verifier's argmax over the full vocabulary, as in the dense case. Merging
+tokens lowers both entropy and KL, so this loss is at most the dense one on the same positions:
+compare losses only between runs with the same kind of targets (top-1 agreement compares across).
+
 Memory: logits exist only for `chunk` tokens at a time ([chunk, V] fp32 blocks of about
-`chunk_bytes`), in the forward and in the backward, which recomputes them (ChunkedSoftCE).
+`chunk_bytes`), in the forward and in the backward, which recomputes them (ChunkedSoftCE, and
+ChunkedTopKCE with [chunk, Vd] blocks only: no verifier logits).
 """
 from __future__ import annotations
 
@@ -195,16 +216,23 @@ class ChunkedSoftCE(torch.autograd.Function):
             x = normed[c:c + chunk]
             p, _ = blocks.target_probs(target_hidden[c:c + chunk], target_head, keep, with_top=False)
             dz = softmax_(blocks.logits(blocks.draft, x, head)).sub_(p).mul_(g)   # [c, Vd] d loss / d z
-            if normed.dtype != torch.float32:
-                dz = blocks.scratch[:dz.numel()].view(dz.shape).copy_(dz)
-            if want_x:
-                torch.mm(dz, head, out=grad_x[c:c + chunk])
-            if want_w:
-                if dz.dtype == torch.float32:
-                    grad_w.addmm_(dz.T, x)
-                else:
-                    grad_w += (dz.T @ x).float()
+            _accumulate_grads(blocks, dz, x, head, grad_x[c:c + chunk] if want_x else None, grad_w)
         return grad_x, None if grad_w is None else grad_w.to(head.dtype), None, None, None, None
+
+
+def _accumulate_grads(blocks: _Blocks, dz: Tensor, x: Tensor, head: Tensor, grad_x: Tensor | None,
+                      grad_w: Tensor | None) -> None:
+    """One chunk's gradients from dz [c, Vd] = d loss / d logits: grad_x [c, H] = dz @ head
+    (written), grad_w [Vd, H] += dz.T @ x (fp32); the matmuls in x's dtype."""
+    if x.dtype != torch.float32:
+        dz = blocks.scratch[:dz.numel()].view(dz.shape).copy_(dz)
+    if grad_x is not None:
+        torch.mm(dz, head, out=grad_x)
+    if grad_w is not None:
+        if dz.dtype == torch.float32:
+            grad_w.addmm_(dz.T, x)
+        else:
+            grad_w += (dz.T @ x).float()
 
 
 def soft_cross_entropy(normed: Tensor, head: Tensor, target_hidden: Tensor, target_head: Tensor,
@@ -218,6 +246,123 @@ def soft_cross_entropy(normed: Tensor, head: Tensor, target_hidden: Tensor, targ
     return ChunkedSoftCE.apply(normed, head, target_hidden, target_head, keep, chunk)
 
 
+# ---- chunked top-k (bucket) cross-entropy ---------------------------------------------------
+def draft_ids_of(target_ids: Tensor, keep: Tensor | None, draft_vocab: int) -> Tensor:
+    """Target ids [...] (-1: none) -> draft ids [...], -1 where the draft vocabulary lacks the token.
+
+    keep [Vd]: target id of each draft id (pruned vocabulary), or None (draft id == target id)."""
+    if keep is None:
+        return torch.where((target_ids >= 0) & (target_ids < draft_vocab), target_ids, -1)
+    kept, order = keep.sort()                                            # [Vd] ascending target ids
+    pos = torch.searchsorted(kept, target_ids.clamp(min=0)).clamp_(max=kept.numel() - 1)
+    hit = (kept[pos] == target_ids) & (target_ids >= 0)
+    return torch.where(hit, order[pos], -1)
+
+
+def _mask_set_(z: Tensor, in_set: Tensor, idx: Tensor) -> Tensor:
+    """z [c, Vd] with the columns idx [c, k] where in_set [c, k] set to -inf, in place."""
+    rows, cols = in_set.nonzero(as_tuple=True)
+    return z.index_put_((rows, idx[rows, cols]), z.new_tensor(float("-inf")))
+
+
+def _logsumexp_(z: Tensor) -> Tensor:
+    """[c, V] -> [c] logsumexp, overwriting z; -inf for a row that is all -inf."""
+    m = z.amax(-1)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    return z.sub_(m[:, None]).exp_().sum(-1).log_().add_(m)
+
+
+def _draft_blocks(normed: Tensor, head: Tensor, chunk: int) -> _Blocks | None:
+    """The draft-logits block (and low-precision scratch) of one pass; no verifier block: the top-k
+    loss never forms verifier logits. None without rows."""
+    N = normed.shape[0]
+    return _Blocks(min(chunk, N), 0, head.shape[0], False, normed.dtype, normed.device) if N else None
+
+
+class ChunkedTopKCE(torch.autograd.Function):
+    """sum_n -sum_S p_i log q_i - r log(1 - Q) over N rows (module docstring), a chunk at a time.
+
+    draft_ids [N, k]: the target's top-k as draft ids, -1 where the draft lacks the token (or the
+    row is padding); probs [N, k]: their target probabilities. Saves its inputs, three [N, k] and
+    three [N] tensors; the backward recomputes each chunk's logits, so the peak is one [chunk, Vd]
+    fp32 block (plus its low-precision copy). log(1 - Q) = lse(z off S) - lse(z), with z off S summed on
+    its own, so a draft that puts almost all its mass on S loses no precision. Gradient w.r.t. the
+    logits: (P + r) q - p~, p~ = p on S and r q_v / (1 - Q) off S (P = sum_S p; P + r = 1 unless
+    rounding pushes P past 1).
+    """
+
+    @staticmethod
+    def forward(ctx, normed: Tensor, head: Tensor, draft_ids: Tensor, probs: Tensor, top: Tensor,
+                keep: Tensor | None, chunk: int) -> tuple[Tensor, Tensor]:
+        N, device = normed.shape[0], normed.device
+        in_set = draft_ids >= 0                                          # [N, k] i in S
+        idx = draft_ids.clamp(min=0)                                     # [N, k] gatherable
+        p = torch.where(in_set, probs.float(), 0.0)                      # [N, k] 0 off S
+        r = (1 - p.sum(-1)).clamp_(min=0)                                # [N] target mass off S
+        lse = torch.zeros(N, dtype=torch.float32, device=device)         # [N] lse(z)
+        lse_off = torch.zeros(N, dtype=torch.float32, device=device)     # [N] lse(z off S)
+        on_set = torch.zeros(N, dtype=torch.float32, device=device)      # [N] -sum_S p log q
+        correct = torch.zeros(N, dtype=torch.bool, device=device)
+        blocks = _draft_blocks(normed, head, chunk)
+        for c in range(0, N, chunk):
+            s = slice(c, c + chunk)
+            z = blocks.logits(blocks.draft, normed[s], head)             # [c, Vd]
+            pred = z.argmax(-1)
+            correct[s] = (keep[pred] if keep is not None else pred) == top[s]
+            z_set = z.gather(1, idx[s])                                  # [c, k] (column 0 off S)
+            lse_off[s] = _logsumexp_(_mask_set_(z, in_set[s], idx[s]))
+            set_lse = z_set.masked_fill(~in_set[s], float("-inf")).logsumexp(-1)
+            lse[s] = torch.logaddexp(set_lse, lse_off[s])
+            on_set[s] = (p[s] * (lse[s, None] - z_set)).sum(-1)          # p is 0 off S: z_set's 0 there is finite
+        # No draft token off S: the draft has no "other" bucket to put r in; drop the term.
+        r = torch.where(lse_off > float("-inf"), r, torch.zeros_like(r))
+        off_set = torch.where(r > 0, r * (lse - lse_off), torch.zeros_like(r))   # -r log(1 - Q)
+        ctx.save_for_backward(normed, head, idx, in_set, p, r, lse, lse_off)
+        ctx.chunk = chunk
+        ctx.mark_non_differentiable(correct)
+        return (on_set + off_set).double().sum(), correct
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor, _: Tensor) -> tuple[Tensor | None, ...]:
+        normed, head, idx, in_set, p, r, lse, lse_off = ctx.saved_tensors
+        want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        N, chunk = normed.shape[0], ctx.chunk
+        grad_x = torch.empty_like(normed) if want_x else None
+        grad_w = torch.zeros(head.shape, dtype=torch.float32, device=head.device) if want_w else None
+        blocks = _draft_blocks(normed, head, chunk)
+        g = grad_loss.float()
+        weight = p.sum(-1) + r                                           # [N] P + r
+        # Off S: dz_v = (P + r) q_v - r exp(z_v - lse_off) = e_v * ((P + r)(1 - Q) - r) with
+        # e_v = exp(z_v - lse_off) <= 1 and 1 - Q = exp(lse_off - lse): no overflow when Q -> 1.
+        has_off = lse_off > float("-inf")
+        base = torch.where(has_off, lse_off, lse)                        # [N] e = q where nothing is off S
+        off_coef = weight * torch.exp(lse_off - lse) - r                 # [N] (0 where nothing is off S)
+        for c in range(0, N, chunk):
+            s = slice(c, c + chunk)
+            x = normed[s]
+            z = blocks.logits(blocks.draft, x, head)                     # [c, Vd]
+            on = weight[s, None] * (z.gather(1, idx[s]) - lse[s, None]).exp() - p[s]   # [c, k] on S
+            dz = z.sub_(base[s, None]).exp_().mul_(off_coef[s, None])     # [c, Vd] off S
+            rows, cols = in_set[s].nonzero(as_tuple=True)
+            dz.index_put_((rows, idx[s][rows, cols]), on[rows, cols]).mul_(g)
+            _accumulate_grads(blocks, dz, x, head, grad_x[s] if want_x else None, grad_w)
+        return grad_x, None if grad_w is None else grad_w.to(head.dtype), None, None, None, None, None
+
+
+def topk_cross_entropy(normed: Tensor, head: Tensor, target_ids: Tensor, target_logprobs: Tensor,
+                       keep: Tensor | None, chunk: int) -> tuple[Tensor, Tensor]:
+    """(sum of bucket cross-entropies, [N] bool: draft top-1 == verifier top-1) over N rows.
+
+    normed [N, H]: the draft's norm output; head [Vd, H]: draft lm_head; target_ids [N, k]: the
+    verifier's top-k next tokens (target ids, most likely first; -1 none); target_logprobs [N, k]:
+    their log-probabilities (-inf none); keep [Vd]: target id of each draft id or None.
+    The target is not renormalised over the draft vocabulary (module docstring).
+    """
+    draft_ids = draft_ids_of(target_ids, keep, head.shape[0])            # [N, k]
+    probs = target_logprobs.float().exp()                                # [N, k], -inf -> 0
+    return ChunkedTopKCE.apply(normed, head, draft_ids, probs, target_ids[:, 0], keep, chunk)
+
+
 # ---- the module DeepSpeed trains -------------------------------------------------------------
 class Eagle3Objective(nn.Module):
     """The draft plus its frozen target head; forward(batch, steps) -> ObjectiveOutput.
@@ -225,9 +370,12 @@ class Eagle3Objective(nn.Module):
     The verifier's lm_head is a non-persistent buffer: never trained, never checkpointed, not
     partitioned by ZeRO-3. The draft's own lm_head is read directly (not through its forward),
     so under ZeRO-3 the engine registers it as an external parameter of this module.
+    A batch with final states trains with the dense soft cross-entropy (needs target_head); one
+    with top-k targets (target_ids, target_logprobs) with the bucket cross-entropy, which needs
+    no verifier head: target_head may then be None.
     """
 
-    def __init__(self, draft: Eagle3Draft, target_head: Tensor, cfg: ObjectiveConfig) -> None:
+    def __init__(self, draft: Eagle3Draft, target_head: Tensor | None, cfg: ObjectiveConfig) -> None:
         super().__init__()
         self.draft = draft
         self.cfg = cfg
@@ -248,19 +396,29 @@ class Eagle3Objective(nn.Module):
         draft = self.draft
         dtype = draft.fc.weight.dtype
         keep = None if draft.d2t is None else target_ids_of(draft.d2t)
-        final = batch["final"].to(dtype)                                    # [B, T, H]
-        loss = torch.zeros((), dtype=torch.float32, device=final.device)
+        topk = "final" not in batch                                          # top-k targets instead
+        if not topk and self.target_head is None:
+            raise ValueError("a batch with final states needs the verifier's lm_head: this objective "
+                             "was built without one (for a store of top-k targets)")
+        final = None if topk else batch["final"].to(dtype)                  # [B, T, H]
+        device = batch["input_ids"].device
+        loss = torch.zeros((), dtype=torch.float32, device=device)
         sums, correct, counts, chain = [], [], [], []
         alive = None              # [B, T] chains started at step 0 and still all correct
         for (k, out, counted), weight in zip(draft_chain(draft, batch, steps), self.cfg.weights(steps)):
             b, t = counted.nonzero(as_tuple=True)                           # counted positions
-            loss_sum, agree = soft_cross_entropy(out.normed[b, t], draft.lm_head.weight,
-                                                 final[b, t + 1 + k], self.target_head, keep, self.chunk)
+            if topk:                                                        # rows t+1+k: [n, k_top]
+                loss_sum, agree = topk_cross_entropy(out.normed[b, t], draft.lm_head.weight,
+                                                     batch["target_ids"][b, t + 1 + k],
+                                                     batch["target_logprobs"][b, t + 1 + k], keep, self.chunk)
+            else:
+                loss_sum, agree = soft_cross_entropy(out.normed[b, t], draft.lm_head.weight,
+                                                     final[b, t + 1 + k], self.target_head, keep, self.chunk)
             n = b.numel()
             loss = loss + weight * loss_sum.float() / max(n, 1)
             sums.append(loss_sum.detach())
             correct.append(agree.sum().double())
-            counts.append(torch.tensor(float(n), dtype=torch.float64, device=final.device))
+            counts.append(torch.tensor(float(n), dtype=torch.float64, device=device))
             right = torch.zeros_like(counted)
             right[b, t] = agree
             alive = right if alive is None else alive & right
