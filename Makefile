@@ -138,4 +138,11 @@ bench-dump: setup
 bench-capture: setup
 	$(PY) -m bench.capture_modes $(ARGS)
 
+# Storage modes (conf/store) judged by what they cost the draft: bytes/token per array at kimi-tiny's
+# and Kimi's width, writer and reader tokens/s, and the accept length of the same training on each,
+# simulated and by vLLM: bench/results/storage.json and storage.md. ARGS="--vllm-modes" skips vLLM.
+.PHONY: bench-storage
+bench-storage: setup
+	$(PY) -m bench.storage $(ARGS)
+
 bench: bench-dump bench-train

@@ -37,7 +37,8 @@ from omegaconf import OmegaConf
 import infra
 from data.conversations import load_conversations
 from infra import REPO_ROOT, compose_config, resolve
-from store import StoreReader, StoreWriter, encode_bf16, encode_fp8, inspect_store, verifier_identity
+from store import (StoreReader, StoreWriter, encode_bf16, encode_bf16_planes, encode_fp8, inspect_store,
+                   verifier_identity)
 
 infra.configure_environment()  # offline hubs, caches in the repo: before the functions below load transformers
 
@@ -149,13 +150,23 @@ def arrays_to_measure(aux: torch.Tensor, final: torch.Tensor) -> dict[str, np.nd
     return {
         "aux_hidden bf16": encode_bf16(aux),
         "final_hidden bf16": encode_bf16(final),
+        # The store's bf16 layout (format 3): high and low byte planes, each plane its own chunks
+        # (plane-major here, so that `chunks` cuts them apart as the store does).
+        "aux_hidden bf16 planes": plane_major(encode_bf16_planes(aux)),
+        "final_hidden bf16 planes": plane_major(encode_bf16_planes(final)),
         "aux_hidden fp8": aux_fp8,
         "aux_scale fp32": aux_scale,
     }
 
 
+def plane_major(planes: np.ndarray) -> np.ndarray:
+    """[N, 2, ...] byte planes as [2 * N, ...]: all high bytes, then all low bytes."""
+    return np.ascontiguousarray(np.moveaxis(planes, 1, 0)).reshape(-1, *planes.shape[2:])
+
+
 # End-to-end candidates: the best ratio per MB/s of the codec table, written through StoreWriter.
 STORE_COMPRESSORS = {
+    "zstd-1": {"name": "zstd", "level": 1},
     "zstd-3": {"name": "zstd", "level": 3},
     "blosc-zstd-3-byteshuffle": {"name": "blosc", "cname": "zstd", "clevel": 3, "shuffle": "shuffle"},
     "blosc-lz4-5-byteshuffle": {"name": "blosc", "cname": "lz4", "clevel": 5, "shuffle": "shuffle"},

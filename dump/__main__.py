@@ -1,4 +1,5 @@
-"""`python -m dump [hydra overrides]` dumps; `python -m dump inspect <store>` checks a store."""
+"""`python -m dump [hydra overrides]` dumps; `python -m dump inspect <store>` checks a store;
+`python -m dump transcode <src> <dst> [overrides]` re-encodes one (dump/transcode.py)."""
 from __future__ import annotations
 
 import argparse
@@ -64,4 +65,7 @@ def inspect_main(argv: list[str]) -> int:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "inspect":
         sys.exit(inspect_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "transcode":
+        from dump.transcode import main as transcode_main
+        sys.exit(transcode_main(sys.argv[2:]))
     dump_main()

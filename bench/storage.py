@@ -1,0 +1,325 @@
+"""Storage modes judged by what they cost the draft: `make bench-storage [ARGS=...]`.
+
+    .venv/bin/python -m bench.storage [--source STORE] [--modes lossless fp8 fp4 compact]
+        [--train-steps 100] [--vllm-modes lossless compact] [--kimi-tokens 4096] [--out bench/results/storage.json]
+
+1. The source: an fp32 store of the default data (`make dump`'s conversations, answers as
+   written so that building it takes minutes, not the half hour of regeneration), dumped by
+   vLLM once under runs/bench-storage/source unless --source names one. Every mode is written
+   from it by `python -m dump transcode`, so all modes hold the same samples, and the writer's
+   encode throughput is measured there (the capture before it is the same for every mode).
+2. Per mode: bytes on disk per token and per array (`python -m dump inspect`'s figures), the
+   ratio to 4 x H x 2 (what public tools write: three aux states and the final one in bf16), the
+   same figure computed for Kimi's H = 7168 from the measured bytes per stored value, and the
+   reader's tokens/s (StoreReader.read_sample, decoded to bf16, one process).
+3. Per mode, the same training (`python -m train`: same rows, steps, seed and recipe; only the
+   store differs), then (a) the simulated greedy accept length (3 drafts, topk 1) of the exported
+   draft on the trainer's held-out samples read from the LOSSLESS store, so every draft meets the
+   same exact aux states, as at serving time; (b) for the --vllm-modes, `python -m evaluation` on
+   the draft, greedy: vLLM's accept length per category, and the simulation on its own texts.
+   Deltas are against the lossless mode of the same run.
+4. Kimi-K2 shapes: a synthetic store (H = 7168, 3 aux states, outliers in a few channels) per
+   mode, read back: reader tokens/s against an upper bound of the trainer's tokens/s at the
+   Kimi-K2 draft's shapes (the datasheet bf16 peak of an H200 / the draft's model FLOPs per token,
+   bench/gpu_train.py: a trainer at 100% MFU), and the reader processes that keep 10x ahead of it.
+
+Results: bench/results/storage.json and the table bench/results/storage.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import infra
+from infra import REPO_ROOT, compose_config
+
+infra.configure_environment()
+
+WORK = REPO_ROOT / "runs/bench-storage"
+RESULTS = REPO_ROOT / "bench/results/storage.json"
+TABLE = REPO_ROOT / "bench/results/storage.md"
+KIMI_H = 7168
+N_AUX = 3
+PY = sys.executable
+
+
+def run(cmd: list[str], log: Path) -> None:
+    """A stage as its own process (the engines and DeepSpeed keep global state), logged to a file."""
+    print("+", " ".join(cmd), f"(log {log.relative_to(REPO_ROOT)})", flush=True)
+    with log.open("w") as out:
+        done = subprocess.run(cmd, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
+    if done.returncode:
+        raise SystemExit(f"failed ({done.returncode}): {' '.join(cmd)}; see {log}")
+
+
+# ---- 1. source -----------------------------------------------------------------------------
+def build_source(path: Path) -> None:
+    run([PY, "-m", "dump", "store=fp32", "regenerate.enabled=false", f"output_dir={path}",
+         f"hydra.run.dir={WORK / 'logs/dump'}"], WORK / "dump.log")
+
+
+# ---- 2. bytes and reading ------------------------------------------------------------------
+def store_figures(path: Path, hidden: int) -> dict[str, Any]:
+    """Bytes per token (total, per array), per stored value, and the figure at Kimi's width."""
+    from store import StoreReader, inspect_store
+
+    report = inspect_store(path)
+    if report["problems"]:
+        raise SystemExit(f"store {path} does not verify: {report['problems'][:3]}")
+    reader = StoreReader(path)
+    tokens = sum(ref.num_tokens for ref in reader.samples())
+    arrays = {name: figures["bytes"] for name, figures in report["arrays"].items()}
+    total = sum(path.joinpath(*p.parts).stat().st_size for p in _files(path))
+    return {"tokens": tokens, "bytes": total, "bytes_per_token": total / tokens,
+            "array_bytes_per_token": {name: b / tokens for name, b in arrays.items()},
+            "kimi_bytes_per_token": kimi_width(arrays, tokens, hidden, reader.aux_encoding),
+            "reference_bytes_per_token": (N_AUX + 1) * hidden * 2}
+
+
+def _files(path: Path) -> list[Path]:
+    return [p.relative_to(path) for p in path.rglob("*") if p.is_file()]
+
+
+def kimi_width(array_bytes: dict[str, int], tokens: int, hidden: int, aux_encoding: str) -> float:
+    """Bytes per token at H = 7168: arrays whose size grows with H (the hidden states; fp4's
+    scales, one per block of H) scale by 7168 / H at the measured bytes per value; the others
+    (ids, mask, offsets, fp8's per-token scales, top-k targets) do not depend on H."""
+    grows = {"aux_hidden", "final_hidden"} | ({"aux_scale"} if aux_encoding == "fp4" else set())
+    return sum(b / tokens * (KIMI_H / hidden if name in grows else 1.0) for name, b in array_bytes.items())
+
+
+def read_tokens_per_s(path: Path, repeats: int = 3) -> float:
+    """StoreReader.read_sample over every sample, decoded to bf16 (what the trainer reads): the
+    median of `repeats` passes, each with a fresh reader (no Zarr metadata cached)."""
+    from store import StoreReader
+
+    rates = []
+    for _ in range(repeats):
+        reader = StoreReader(path)
+        refs = reader.samples()
+        start = time.perf_counter()
+        for ref in refs:
+            reader.read_sample(ref, torch.bfloat16)
+        rates.append(sum(r.num_tokens for r in refs) / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
+# ---- 3. the draft each store trains -----------------------------------------------------------
+def train_draft(mode: str, store: Path, steps: int, extra: list[str]) -> Path:
+    run_dir = WORK / "train" / mode
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run([PY, "-m", "train", f"store_dir={store}", f"train.steps={steps}", "train.resume=null",
+         f"eval.every={steps}", f"hydra.run.dir={run_dir}", *extra], WORK / f"train-{mode}.log")
+    return run_dir
+
+
+def heldout_metrics(run_dir: Path) -> dict[str, Any]:
+    from train.metrics import read_jsonl
+
+    rows = read_jsonl(run_dir / "metrics.jsonl", "eval")
+    return rows[-1] if rows else {}
+
+
+def simulate_heldout(draft_dir: Path, lossless: Path) -> dict[str, Any]:
+    """Greedy simulated accept length (3 drafts) on the trainer's held-out samples of the lossless
+    store, whatever store the draft was trained on."""
+    from evaluation.simulate import simulate_store
+    from model.checkpoint import load_draft
+    from model.verifier import verifier_dir
+    from model.verifier_weights import read_verifier_head
+    from train.batches import StoreSplit
+
+    cfg = compose_config("train", [])
+    vdir = verifier_dir(cfg.verifier)
+    split = StoreSplit.open(lossless, float(cfg.eval.heldout_fraction), int(cfg.eval.heldout_seed))
+    draft = load_draft(draft_dir, verifier_dir=vdir).eval()
+    head = read_verifier_head(vdir, torch.float32).lm_head
+    chunk = max(1, (128 << 20) // (4 * head.shape[0]))
+    with torch.no_grad():
+        result = simulate_store(draft, head, split.reader, 3, None, chunk, refs=split.heldout).summary()
+    return {"samples": result["samples"], "answer_tokens": result["answer_tokens"],
+            "greedy_accept_length": result["greedy"]["accept_length"],
+            "greedy_all_positions_accept_length": result["greedy_all_positions"]["accept_length"]}
+
+
+def vllm_eval(mode: str, draft_dir: Path) -> dict[str, Any]:
+    run_dir = WORK / "eval" / mode
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run([PY, "-m", "evaluation", f"draft_dir={draft_dir}", "sampled.enabled=false", "card=false",
+         "plot=false", f"hydra.run.dir={run_dir}"], WORK / f"eval-{mode}.log")
+    report = json.loads((run_dir / "eval.json").read_text())
+    out = {}
+    for name, cat in report["categories"].items():
+        out[name] = {"vllm": cat["real"]["greedy"]["accept_length"],
+                     "simulated": cat["sim"]["greedy"]["accept_length"]}
+    return out
+
+
+# ---- 4. Kimi-K2 shapes ----------------------------------------------------------------------
+def synthetic_store(path: Path, mode: str, tokens: int, seed: int = 0) -> Path:
+    """`tokens` tokens of Kimi-width states (8 samples) in `mode`: Gaussian values with four
+    channels 100x larger (the outliers residual streams carry), 70% of tokens loss-masked."""
+    from store import StoreWriter
+
+    shutil.rmtree(path, ignore_errors=True)
+    g = torch.Generator().manual_seed(seed)
+    cfg = compose_config("dump", [f"store={mode}"]).store
+    identity = {"name": "synthetic-kimi-width", "hidden_size": KIMI_H, "vocab_size": 8192}
+    head = torch.randn(8192, KIMI_H, generator=g) * 0.02 if str(cfg.final) == "topk" else None
+    writer = StoreWriter(path, identity, [2, 30, 58], cfg, {"synthetic": True}, aux_convention="vllm",
+                         rank=0, world_size=1,
+                         target_head=head)
+    per_sample = tokens // 8
+    with writer:
+        for i in range(8):
+            aux = torch.randn(per_sample, N_AUX, KIMI_H, generator=g)
+            aux[..., :4] *= 100
+            final = torch.randn(per_sample, KIMI_H, generator=g)
+            mask = torch.rand(per_sample, generator=g) < 0.7
+            writer.add(f"s{i}", torch.randint(0, 8192, (per_sample,), generator=g), mask, aux, final)
+            writer.commit_if_full()
+    return path
+
+
+def trainer_bound() -> dict[str, Any]:
+    """Upper bounds of the Kimi-K2 draft trainer's tokens/s: its model FLOPs per token against an
+    H200's datasheet bf16 peak (100% MFU), and against this machine's measured fp32 matmul
+    FLOP/s (bench/train.py's matmul_flops: 100% of what this CPU does)."""
+    from bench.gpu_train import PEAK_BF16, model_flops, synthetic_batch
+    from bench.train import matmul_flops
+    from model.draft import DraftConfig, Eagle3Draft
+
+    cfg = compose_config("train", ["verifier=kimi_k2", "draft=kimi_k2"])
+    draft_cfg = DraftConfig.from_conf(cfg.draft)
+    with torch.device("meta"):
+        draft = Eagle3Draft(draft_cfg)
+    T = int(cfg.train.max_len)
+    batch = synthetic_batch(draft_cfg, T, torch.device("cpu"))
+    flops = model_flops(draft, batch, int(cfg.train.ttt.steps)) / T
+    name, peak = next((name, flops_) for pattern, name, flops_ in PEAK_BF16 if "H200" in name)
+    cpu = matmul_flops(torch.float32, torch.device("cpu"))
+    return {"draft": str(cfg.draft.name), "max_len": T, "ttt_steps": int(cfg.train.ttt.steps),
+            "model_flops_per_token": flops, "gpu": name, "peak_bf16_flop_per_s": peak,
+            "tokens_per_s_at_100pct_mfu": peak / flops, "this_machine_matmul_flop_per_s": cpu,
+            "this_machine_tokens_per_s_bound": cpu / flops}
+
+
+# ---- report --------------------------------------------------------------------------------
+def table(report: dict[str, Any]) -> str:
+    lines = ["| mode | B/token kimi-tiny (H=256) | ratio | B/token Kimi (H=7168) | ratio | sim accept (held-out) "
+             "| delta | vLLM accept dialogue / code | delta | writer tok/s | reader tok/s | reader tok/s at H=7168 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for mode, m in report["modes"].items():
+        sim = m.get("simulated_heldout", {}).get("greedy_accept_length")
+        vllm = m.get("vllm") or {}
+        lines.append(
+            f"| {mode} | {m['bytes_per_token']:.0f} | {m['ratio']:.3f} | {m['kimi_bytes_per_token']:.0f} "
+            f"| {m['kimi_ratio']:.3f} | {_f(sim)} | {_pct(m.get('sim_delta'))} "
+            f"| {' / '.join(_f(v.get('vllm')) for v in vllm.values()) or '-'} | {_pct(m.get('vllm_delta'))} "
+            f"| {m['writer_tokens_per_s']:.0f} | {m['reader_tokens_per_s']:.0f} "
+            f"| {_f(m.get('kimi_reader_tokens_per_s'), 0)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _f(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:+.1f}%"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--source", type=Path, help="an fp32 (or bf16) store with final states on every row")
+    parser.add_argument("--modes", nargs="+", default=["lossless", "fp8", "fp4", "compact"])
+    parser.add_argument("--train-steps", type=int, default=100)
+    parser.add_argument("--no-train", action="store_true", help="bytes and throughput only")
+    parser.add_argument("--vllm-modes", nargs="*", default=["lossless", "compact"],
+                        help="modes whose draft `python -m evaluation` measures by vLLM (none: skip)")
+    parser.add_argument("--kimi-tokens", type=int, default=4096, help="tokens of the synthetic H=7168 stores")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("train_overrides", nargs="*", help="hydra overrides of conf/train.yaml for every mode")
+    args = parser.parse_args(argv)
+    from dump.transcode import transcode
+    from store import StoreReader
+
+    WORK.mkdir(parents=True, exist_ok=True)
+    (WORK / "logs").mkdir(exist_ok=True)
+    source = args.source or WORK / "source"
+    if not (source / "store.json").exists():
+        build_source(source)
+    hidden = StoreReader(source).hidden_size
+    modes = list(dict.fromkeys(["lossless", *args.modes]))   # lossless first: the baseline
+    report: dict[str, Any] = {
+        "command": " ".join([Path(PY).name, "-m", "bench.storage", *(sys.argv[1:] if argv is None else argv)]),
+        "machine": platform.machine(), "cpus": torch.get_num_threads(), "torch": torch.__version__,
+        "source": str(source), "hidden_size": hidden, "train_steps": None if args.no_train else args.train_steps,
+        "train_overrides": args.train_overrides, "modes": {}}
+    for mode in modes:
+        path = WORK / "stores" / mode
+        shutil.rmtree(path, ignore_errors=True)
+        summary = transcode(source, path, [f"store={mode}"], progress=False)
+        figures = store_figures(path, hidden)
+        entry = {**figures, "ratio": figures["bytes_per_token"] / figures["reference_bytes_per_token"],
+                 "kimi_ratio": figures["kimi_bytes_per_token"] / ((N_AUX + 1) * KIMI_H * 2),
+                 "writer_tokens_per_s": summary["writer_tokens_per_s"],
+                 "reader_tokens_per_s": read_tokens_per_s(path)}
+        report["modes"][mode] = entry
+        print(f"{mode}: {entry['bytes_per_token']:.0f} B/token ({entry['ratio']:.3f}x), at H=7168 "
+              f"{entry['kimi_bytes_per_token']:.0f} ({entry['kimi_ratio']:.3f}x); writer "
+              f"{entry['writer_tokens_per_s']:.0f} tok/s, reader {entry['reader_tokens_per_s']:.0f} tok/s", flush=True)
+    bound = trainer_bound()
+    report["kimi_shapes"] = {"trainer_bound": bound, "tokens": args.kimi_tokens}
+    for mode in modes:
+        path = synthetic_store(WORK / "kimi" / mode, mode, args.kimi_tokens)
+        tok_s = read_tokens_per_s(path)
+        entry = report["modes"][mode]
+        entry["kimi_reader_tokens_per_s"] = tok_s
+        entry["kimi_reader_over_trainer_bound"] = tok_s / bound["tokens_per_s_at_100pct_mfu"]
+        entry["kimi_reader_processes_for_10x"] = math.ceil(10 * bound["tokens_per_s_at_100pct_mfu"] / tok_s)
+        entry["kimi_reader_over_this_machine_trainer_bound"] = tok_s / bound["this_machine_tokens_per_s_bound"]
+        shutil.rmtree(path, ignore_errors=True)
+    _save(report, args.out)
+    if not args.no_train:
+        lossless = WORK / "stores" / "lossless"
+        for mode in modes:
+            entry = report["modes"][mode]
+            run_dir = train_draft(mode, WORK / "stores" / mode, args.train_steps, args.train_overrides)
+            entry["train_heldout"] = heldout_metrics(run_dir)
+            entry["simulated_heldout"] = simulate_heldout(run_dir / "draft", lossless)
+            if mode in args.vllm_modes:
+                entry["vllm"] = vllm_eval(mode, run_dir / "draft")
+            _save(report, args.out)
+        base = report["modes"]["lossless"]
+        for mode, entry in report["modes"].items():
+            b = base["simulated_heldout"]["greedy_accept_length"]
+            entry["sim_delta"] = entry["simulated_heldout"]["greedy_accept_length"] / b - 1
+            if "vllm" in entry:
+                mine = sum(v["vllm"] for v in entry["vllm"].values())
+                theirs = sum(v["vllm"] for v in base["vllm"].values())
+                entry["vllm_delta"] = mine / theirs - 1
+    _save(report, args.out)
+    print(table(report))
+    return report
+
+
+def _save(report: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    (out.with_suffix(".md")).write_text(table(report))
+
+
+if __name__ == "__main__":
+    main()
