@@ -16,8 +16,12 @@
    store differs), then (a) the simulated greedy accept length (3 drafts, topk 1) of the exported
    draft on the trainer's held-out samples read from the LOSSLESS store, so every draft meets the
    same exact aux states, as at serving time; (b) for the --vllm-modes, `python -m evaluation` on
-   the draft, greedy: vLLM's accept length per category, and the simulation on its own texts.
-   Deltas are against the lossless mode of the same run.
+   the draft, greedy: vLLM's accept length per category, and the simulation on its own texts;
+   (c) every draft's greedy simulation on the texts of the lossless draft's evaluation (greedy
+   speculative decoding writes the verifier's own greedy text whatever the draft): 24 held-out
+   prompts per category, the same for every mode. Deltas are against the lossless mode of the
+   same run; `--resimulate` redoes (a)'s trainer figures and (c) from the drafts left behind.
+   On a CPU training runs in fp32 (bf16 without bf16 matmul units is ~25x slower).
 4. Kimi-K2 shapes: a synthetic store (H = 7168, 3 aux states, outliers in a few channels) per
    mode, read back: reader tokens/s against an upper bound of the trainer's tokens/s at the
    Kimi-K2 draft's shapes (the datasheet bf16 peak of an H200 / the draft's model FLOPs per token,
@@ -127,7 +131,7 @@ def train_draft(mode: str, store: Path, steps: int, extra: list[str]) -> Path:
 def heldout_metrics(run_dir: Path) -> dict[str, Any]:
     from train.metrics import read_jsonl
 
-    rows = read_jsonl(run_dir / "metrics.jsonl", "eval")
+    rows = read_jsonl(run_dir / "metrics.jsonl", "heldout")
     return rows[-1] if rows else {}
 
 
@@ -217,16 +221,21 @@ def trainer_bound() -> dict[str, Any]:
 
 # ---- report --------------------------------------------------------------------------------
 def table(report: dict[str, Any]) -> str:
-    lines = ["| mode | B/token kimi-tiny (H=256) | ratio | B/token Kimi (H=7168) | ratio | sim accept (held-out) "
-             "| delta | vLLM accept dialogue / code | delta | writer tok/s | reader tok/s | reader tok/s at H=7168 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | B/token kimi-tiny (H=256) | ratio | B/token Kimi (H=7168) | ratio "
+             "| sim accept dialogue / code | delta | vLLM accept dialogue / code | delta "
+             "| sim accept trainer held-out | delta | writer tok/s | reader tok/s | reader tok/s at H=7168 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    order = list((report["modes"].get("lossless", {}).get("vllm") or {}).keys())   # dialogue, code
     for mode, m in report["modes"].items():
-        sim = m.get("simulated_heldout", {}).get("greedy_accept_length")
+        sims = m.get("simulated_eval_texts") or {}
+        sims = {cat: sims[cat] for cat in order + sorted(set(sims) - set(order)) if cat in sims}
         vllm = m.get("vllm") or {}
+        held = (m.get("simulated_heldout") or {}).get("greedy_accept_length")
         lines.append(
             f"| {mode} | {m['bytes_per_token']:.0f} | {m['ratio']:.3f} | {m['kimi_bytes_per_token']:.0f} "
-            f"| {m['kimi_ratio']:.3f} | {_f(sim)} | {_pct(m.get('sim_delta'))} "
+            f"| {m['kimi_ratio']:.3f} | {' / '.join(_f(v) for v in sims.values()) or '-'} | {_pct(m.get('sim_delta'))} "
             f"| {' / '.join(_f(v.get('vllm')) for v in vllm.values()) or '-'} | {_pct(m.get('vllm_delta'))} "
+            f"| {_f(held)} | {_pct(m.get('sim_heldout_delta'))} "
             f"| {m['writer_tokens_per_s']:.0f} | {m['reader_tokens_per_s']:.0f} "
             f"| {_f(m.get('kimi_reader_tokens_per_s'), 0)} |")
     return "\n".join(lines) + "\n"
@@ -249,9 +258,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--vllm-modes", nargs="*", default=["lossless", "compact"],
                         help="modes whose draft `python -m evaluation` measures by vLLM (none: skip)")
     parser.add_argument("--kimi-tokens", type=int, default=4096, help="tokens of the synthetic H=7168 stores")
+    parser.add_argument("--resimulate", action="store_true",
+                        help="only redo the accept-length figures of the drafts an earlier run left in "
+                             "runs/bench-storage (into --out's JSON)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("train_overrides", nargs="*", help="hydra overrides of conf/train.yaml for every mode")
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available() and not any(o.startswith("train.precision=") for o in args.train_overrides):
+        # A CPU without bf16 matmul units trains bf16 some 25x slower than fp32 (a 2-core x86 here:
+        # ~30 against ~800 tokens/s), and the comparison between stores is the same in either.
+        args.train_overrides.append("train.precision=fp32")
+    if args.resimulate:
+        report = json.loads(args.out.read_text())
+        add_accept_figures(report)
+        _save(report, args.out)
+        print(table(report))
+        return report
     from dump.transcode import transcode
     from store import StoreReader
 
@@ -297,22 +319,63 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for mode in modes:
             entry = report["modes"][mode]
             run_dir = train_draft(mode, WORK / "stores" / mode, args.train_steps, args.train_overrides)
-            entry["train_heldout"] = heldout_metrics(run_dir)
             entry["simulated_heldout"] = simulate_heldout(run_dir / "draft", lossless)
             if mode in args.vllm_modes:
                 entry["vllm"] = vllm_eval(mode, run_dir / "draft")
             _save(report, args.out)
-        base = report["modes"]["lossless"]
-        for mode, entry in report["modes"].items():
-            b = base["simulated_heldout"]["greedy_accept_length"]
-            entry["sim_delta"] = entry["simulated_heldout"]["greedy_accept_length"] / b - 1
-            if "vllm" in entry:
-                mine = sum(v["vllm"] for v in entry["vllm"].values())
-                theirs = sum(v["vllm"] for v in base["vllm"].values())
-                entry["vllm_delta"] = mine / theirs - 1
+        add_accept_figures(report)
     _save(report, args.out)
     print(table(report))
     return report
+
+
+def add_accept_figures(report: dict[str, Any]) -> None:
+    """Per mode: the trainer's own held-out figures; the greedy simulation on the texts the
+    lossless draft's `python -m evaluation` run had vLLM produce (greedy speculative decoding
+    gives the verifier's own greedy text whatever the draft, so these are held-out texts every
+    draft can be replayed on: 24 prompts per category, more tokens than the trainer's held-out
+    split); deltas against the lossless mode."""
+    texts = WORK / "eval" / "lossless" / "stores"
+    for mode, entry in report["modes"].items():
+        run_dir = WORK / "train" / mode
+        entry["train_heldout"] = heldout_metrics(run_dir)
+        if texts.is_dir():
+            entry["simulated_eval_texts"] = simulate_texts(run_dir / "draft", texts)
+    base = report["modes"]["lossless"]
+    for entry in report["modes"].values():
+        entry["sim_heldout_delta"] = (entry["simulated_heldout"]["greedy_accept_length"]
+                                      / base["simulated_heldout"]["greedy_accept_length"] - 1)
+        if "simulated_eval_texts" in entry:
+            entry["sim_delta"] = _mean(entry["simulated_eval_texts"]) / _mean(base["simulated_eval_texts"]) - 1
+        if "vllm" in entry:
+            mine = {cat: v["vllm"] for cat, v in entry["vllm"].items()}
+            theirs = {cat: v["vllm"] for cat, v in base["vllm"].items()}
+            entry["vllm_delta"] = _mean(mine) / _mean(theirs) - 1
+
+
+def _mean(by_category: dict[str, float]) -> float:
+    return sum(by_category.values()) / len(by_category)
+
+
+def simulate_texts(draft_dir: Path, texts: Path) -> dict[str, float]:
+    """Greedy simulated accept length (3 drafts) per category on the stores under `texts`
+    (<category>/greedy, written by `python -m evaluation`)."""
+    from evaluation.simulate import simulate_store
+    from model.checkpoint import load_draft
+    from model.verifier import verifier_dir
+    from model.verifier_weights import read_verifier_head
+    from store import StoreReader
+
+    vdir = verifier_dir(compose_config("train", []).verifier)
+    draft = load_draft(draft_dir, verifier_dir=vdir).eval()
+    head = read_verifier_head(vdir, torch.float32).lm_head
+    chunk = max(1, (128 << 20) // (4 * head.shape[0]))
+    out = {}
+    with torch.no_grad():
+        for category in sorted(p.name for p in texts.iterdir() if (p / "greedy").is_dir()):
+            reader = StoreReader(texts / category / "greedy")
+            out[category] = simulate_store(draft, head, reader, 3, None, chunk).summary()["greedy"]["accept_length"]
+    return out
 
 
 def _save(report: dict[str, Any], out: Path) -> None:
