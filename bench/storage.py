@@ -139,22 +139,27 @@ def simulate_heldout(draft_dir: Path, lossless: Path) -> dict[str, Any]:
     """Greedy simulated accept length (3 drafts) on the trainer's held-out samples of the lossless
     store, whatever store the draft was trained on."""
     from evaluation.simulate import simulate_store
-    from model.checkpoint import load_draft
-    from model.verifier import verifier_dir
-    from model.verifier_weights import read_verifier_head
     from train.batches import StoreSplit
 
     cfg = compose_config("train", [])
-    vdir = verifier_dir(cfg.verifier)
     split = StoreSplit.open(lossless, float(cfg.eval.heldout_fraction), int(cfg.eval.heldout_seed))
-    draft = load_draft(draft_dir, verifier_dir=vdir).eval()
-    head = read_verifier_head(vdir, torch.float32).lm_head
-    chunk = max(1, (128 << 20) // (4 * head.shape[0]))
+    draft, head, chunk = _draft_and_head(draft_dir)
     with torch.no_grad():
         result = simulate_store(draft, head, split.reader, 3, None, chunk, refs=split.heldout).summary()
     return {"samples": result["samples"], "answer_tokens": result["answer_tokens"],
             "greedy_accept_length": result["greedy"]["accept_length"],
             "greedy_all_positions_accept_length": result["greedy_all_positions"]["accept_length"]}
+
+
+def _draft_and_head(draft_dir: Path) -> tuple[Any, torch.Tensor, int]:
+    """The exported draft, the verifier's lm_head [V, H] and the rows of one 128 MB logits block."""
+    from model.checkpoint import load_draft
+    from model.verifier import verifier_dir
+    from model.verifier_weights import read_verifier_head
+
+    vdir = verifier_dir(compose_config("train", []).verifier)
+    head = read_verifier_head(vdir, torch.float32).lm_head
+    return load_draft(draft_dir, verifier_dir=vdir).eval(), head, max(1, (128 << 20) // (4 * head.shape[0]))
 
 
 def vllm_eval(mode: str, draft_dir: Path) -> dict[str, Any]:
@@ -361,15 +366,9 @@ def simulate_texts(draft_dir: Path, texts: Path) -> dict[str, float]:
     """Greedy simulated accept length (3 drafts) per category on the stores under `texts`
     (<category>/greedy, written by `python -m evaluation`)."""
     from evaluation.simulate import simulate_store
-    from model.checkpoint import load_draft
-    from model.verifier import verifier_dir
-    from model.verifier_weights import read_verifier_head
     from store import StoreReader
 
-    vdir = verifier_dir(compose_config("train", []).verifier)
-    draft = load_draft(draft_dir, verifier_dir=vdir).eval()
-    head = read_verifier_head(vdir, torch.float32).lm_head
-    chunk = max(1, (128 << 20) // (4 * head.shape[0]))
+    draft, head, chunk = _draft_and_head(draft_dir)
     out = {}
     with torch.no_grad():
         for category in sorted(p.name for p in texts.iterdir() if (p / "greedy").is_dir()):

@@ -58,15 +58,20 @@ def open_writer(output_dir: str | Path, verifier: DictConfig, store: DictConfig,
     final side is the verifier's top-k (store=compact) gets the verifier's lm_head, in float32 on
     the GPU where there is one, to compute it."""
     vdir = verifier_dir(verifier)
-    target_head = None
-    if store.get("final") == "topk":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        target_head = read_verifier_head(vdir).lm_head.to(device, torch.float32)
     return StoreWriter(resolve(output_dir), verifier_identity(vdir, verifier.name),
                        list(verifier.aux_layer_ids), store, record,
                        aux_convention=verifier.aux_convention,
                        aux_capture=verifier.aux_capture,
-                       rank=rank, world_size=world_size, target_head=target_head)
+                       rank=rank, world_size=world_size, target_head=target_head_for(store, vdir))
+
+
+def target_head_for(store: DictConfig, vdir: Path) -> torch.Tensor | None:
+    """The verifier's lm_head [V, H], float32 on the GPU where there is one, for storage settings
+    that keep its top-k next tokens (final: topk); None for the others."""
+    if store.get("final") != "topk":
+        return None
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return read_verifier_head(vdir).lm_head.to(device, torch.float32)
 
 
 def write_batch(writer: StoreWriter, capture: HiddenStateCapture, samples: list[TokenizedSample],

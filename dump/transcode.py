@@ -21,6 +21,7 @@ from typing import Any
 from omegaconf import DictConfig
 from tqdm import tqdm
 
+from dump.pipeline import target_head_for
 from infra import compose_config, resolve
 from model.verifier import verifier_dir
 from store import StoreReader, StoreWriter, verifier_identity
@@ -66,7 +67,7 @@ def transcode(src: str | Path, dst: str | Path, overrides: list[str] | None = No
     record = dict(source.dump_config, transcoded_from=str(source.path))
     writer = StoreWriter(resolve(dst), identity, source.aux_layer_ids, cfg.store, record,
                          aux_convention=source.aux_convention, aux_capture=source.aux_capture,
-                         rank=0, world_size=1, target_head=_target_head(cfg, vdir))
+                         rank=0, world_size=1, target_head=target_head_for(cfg.store, vdir))
     done = writer.done_sample_ids()
     todo = [ref for ref in source.samples() if ref.sample_id not in done]
     tokens, seconds = 0, 0.0
@@ -95,16 +96,6 @@ def _final_of(sample):
     if sample.final is None:
         raise TranscodeError(f"sample {sample.sample_id}: the source keeps no final states")
     return sample.final
-
-
-def _target_head(cfg: DictConfig, vdir: Path):
-    """The verifier's lm_head [V, H] when the destination keeps top-k targets, else None."""
-    if str(cfg.store.final) != "topk":
-        return None
-    import torch
-
-    from model.verifier_weights import read_verifier_head
-    return read_verifier_head(vdir, torch.float32).lm_head
 
 
 def main(argv: list[str]) -> int:
