@@ -34,11 +34,24 @@ def _architecture(config: dict[str, Any], aux: list[int]) -> list[str]:
         f"{config['qk_nope_head_dim']}/{config['qk_rope_head_dim']}/{config['v_head_dim']}, dense SwiGLU MLP "
         f"{config['intermediate_size']}.",
         f"- fc fuses {len(aux)} verifier hidden states "
-        f"({config['target_hidden_size']} wide each) into the draft's hidden size.",
+        f"({config['target_hidden_size']} wide each"
+        + (", each through its own RMSNorm first: `fc_norm`" if config.get("fc_norm") else "")
+        + ") into the draft's hidden size.",
+        *_norm_switches(config),
         f"- lm_head over {vocab} tokens" + (f" (pruned from {config['vocab_size']}; `d2t` maps draft ids to "
                                             "target ids)" if pruned else " (the verifier's full vocabulary)")
         + "; the embedding is the verifier's (not stored).",
     ]
+
+
+def _norm_switches(config: dict[str, Any]) -> list[str]:
+    """The layer's optional norm wiring, when the folder turns it on (vLLM reads both from config.json)."""
+    parts = (["the residual starts from the normed hidden state (`norm_before_residual`)"]
+             if config.get("norm_before_residual") else [])
+    parts += (["the next draft step reads the final-normed state (`norm_output`)"]
+              if config.get("norm_output") else [])
+    text = "; ".join(parts)
+    return [f"- {text[0].upper()}{text[1:]}."] if parts else []
 
 
 def _aux_lines(config: dict[str, Any], aux: list[int], captures: dict[str, tuple[int, ...] | None]) -> list[str]:

@@ -12,10 +12,13 @@ vllm/model_executor/models/deepseek_eagle3.py (vLLM 0.32) like this:
   builds "deepseek_yarn" from them (always interleaved for MLA) and, since no
   `attention_factor` is written, applies the mscale^2 softmax correction like the verifier.
 - draft_vocab_size always; vocab_size = target vocabulary; target_hidden_size.
-- Weights without a "model." prefix: fc, midlayer.*, norm, lm_head (vLLM's loader prefixes and
-  renames them; "layers.0.*", TorchSpec's name for midlayer, is read too); d2t only with a
-  pruned vocabulary (vLLM scatters logits to i + d2t[i]); t2d with it (vLLM skips t2d, it
-  documents the vocabulary for other readers); no embed_tokens (the engines share the target's).
+- fc_norm, norm_before_residual, norm_output: the optional switches of
+  Eagle3DeepseekV2ForCausalLM (getattr(config, ..., False) in vLLM), always written as bools.
+- Weights without a "model." prefix: fc, fc_norm.{i} (with fc_norm), midlayer.*, norm, lm_head
+  (vLLM's loader prefixes and renames them; "layers.0.*", TorchSpec's name for midlayer, is
+  read too); d2t only with a pruned vocabulary (vLLM scatters logits to i + d2t[i]); t2d with
+  it (vLLM skips t2d, it documents the vocabulary for other readers); no embed_tokens (the
+  engines share the target's).
 
 Aux layers. The draft is trained on the hidden states entering layers `aux_layer_ids` (vLLM's
 convention). Each engine finds its ids in config.json by its own rule, and the same key means
@@ -48,7 +51,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from model.aux_ids import sglang_to_vllm_aux_ids, to_vllm_aux_ids, vllm_to_sglang_aux_ids
-from model.draft import DraftConfig, Eagle3Draft, layer_shapes
+from model.draft import ARCHITECTURE_FLAGS, DraftConfig, Eagle3Draft, architecture_flags, layer_shapes
 from model.vocab import t2d_from_d2t
 
 logger = logging.getLogger(__name__)
@@ -265,6 +268,8 @@ def draft_config_json(cfg: DraftConfig, dtype: torch.dtype = torch.bfloat16) -> 
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         "target_num_hidden_layers": cfg.target_num_hidden_layers,
+        # Written even when False, so that no reader falls back on a default of its own.
+        **{flag: bool(getattr(cfg, flag)) for flag in ARCHITECTURE_FLAGS},
         TARGET_KEY: target_model_type,   # which target eagle_config's ids were chosen for; no engine reads it
         # vLLM 0.32.0 reads this first, as entering-layer ids (vllm/v1/worker/gpu_model_runner.py,
         # _get_eagle3_aux_layers_from_config, line 5268; see vllm_capture).
@@ -337,6 +342,7 @@ def draft_config_from_json(d: dict[str, Any], source: str | Path = CONFIG_FILE) 
         aux_layer_ids=tuple(aux),
         bos_token_id=d.get("bos_token_id"),
         eos_token_id=d.get("eos_token_id"),
+        **architecture_flags(d),              # False when absent, as vLLM reads them
     )
 
 
@@ -409,10 +415,12 @@ def load_draft(
 
 
 # ---- starting training from an exported draft --------------------------------------------
-# What fixes the tensors' shapes or what the draft reads: a folder must match to seed a run.
+# What fixes the tensors' shapes, what the draft reads, or how its norms are wired (the
+# architecture switches: weights trained under one wiring are no starting point for another):
+# a folder must match to seed a run.
 _INIT_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
                 "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "target_hidden_size",
-                "vocab_size", "draft_vocab_size", "aux_layer_ids")
+                "vocab_size", "draft_vocab_size", "aux_layer_ids", *ARCHITECTURE_FLAGS)
 # What changes the draft's computation but not its tensors: reported, training may move on from it.
 _INIT_SOFT_FIELDS = ("rms_norm_eps", "max_position_embeddings", "rope_parameters", "rope_interleave")
 
@@ -423,8 +431,9 @@ def _init_mismatch(path: Path, field: str, found: Any, wanted: Any) -> ValueErro
 
 def init_from_draft(draft: Eagle3Draft, path: Path) -> None:
     """Copy the weights of the exported draft in `path` into `draft` (built from the run's
-    configuration, vocabulary installed); refuse a folder of another shape, vocabulary or aux
-    layers. The embedding stays the verifier's; d2t/t2d stay the draft's (they must be equal)."""
+    configuration, vocabulary installed); refuse a folder of another shape, vocabulary, aux
+    layers or architecture switches. The embedding stays the verifier's; d2t/t2d stay the
+    draft's (they must be equal)."""
     path = Path(path)
     raw = json.loads((path / CONFIG_FILE).read_text())
     found, wanted = draft_config_from_json(raw, path / CONFIG_FILE), draft.config

@@ -1,13 +1,19 @@
 """The EAGLE-3 draft with Multi-Latent Attention, in plain PyTorch.
 
-    aux [B, T, n_aux*H_t] --fc--> h0 [B, T, H]
-    step k:  e = input_layernorm(embed(ids_k)),  r = h_k,  x = cat[e, hidden_norm(h_k)]   (2H)
+    aux [B, T, n_aux*H_t] --[fc_norm]--fc--> h0 [B, T, H]
+                             fc_norm: each H_t-wide aux chunk through its own RMSNorm first
+    step k:  e = input_layernorm(embed(ids_k)),  x = cat[e, hidden_norm(h_k)]   (2H)
+             r = h_k                (hidden_norm(h_k) with norm_before_residual)
              r = r + self_attn(x)                       (MLA; TTT cache across steps)
-             h_{k+1} = r + mlp(post_attention_layernorm(r))      <- pre-norm output, next step's input
-             logits_k = lm_head(norm(h_{k+1}))           (draft vocabulary)
+             o = r + mlp(post_attention_layernorm(r))   <- pre-norm output
+             h_{k+1} = o            (norm(o) with norm_output)   <- next step's hidden input
+             logits_k = lm_head(norm(o))                 (draft vocabulary)
+
+fc_norm, norm_before_residual and norm_output are the optional switches vLLM's
+Eagle3DeepseekV2ForCausalLM reads from config.json (all off: the plain EAGLE-3 layer above).
 
 Module and parameter names are those of vLLM's Eagle3DeepseekV2ForCausalLM checkpoint
-(fc, midlayer.*, norm, lm_head, d2t), so export is a rename at most (model/checkpoint.py).
+(fc, fc_norm.*, midlayer.*, norm, lm_head, d2t), so export is a rename at most (model/checkpoint.py).
 The embedding is a frozen copy of the verifier's and never exported (vLLM shares the target's);
 final norm and lm_head start as copies of the verifier's and stay frozen unless `train_head`.
 """
@@ -59,6 +65,10 @@ class DraftConfig:
     aux_layer_ids: tuple[int, ...]          # vLLM convention (id k = hidden state entering layer k)
     bos_token_id: int | list[int] | None = None
     eos_token_id: int | list[int] | None = None
+    # Architecture switches, exported to config.json (vLLM reads each, absent = False).
+    fc_norm: bool = False                   # RMSNorm per aux state before fc (fc_norm.{i}.weight)
+    norm_before_residual: bool = False      # the layer's residual is hidden_norm(h), not h
+    norm_output: bool = False               # the next step reads norm(output), not the pre-norm output
     # Training-time choices (not part of the exported checkpoint).
     attention: str = "ttt"                  # "ttt" | "reference" (model/mla.py)
     train_head: bool = False                # train final norm and lm_head too
@@ -116,6 +126,7 @@ class DraftConfig:
             aux_layer_ids=tuple(aux),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
+            **architecture_flags(d),
             attention=d.get("attention", "ttt"),
             train_head=bool(d.get("train_head", False)),
         )
@@ -132,6 +143,16 @@ def layer_shapes(d: dict[str, Any]) -> dict[str, Any]:
     shapes = {k: d[k] for k in LAYER_SHAPE_KEYS}
     shapes["rms_norm_eps"] = float(shapes["rms_norm_eps"])
     return shapes
+
+
+# The optional architecture switches: named alike in conf/draft, config.json and DraftConfig.
+ARCHITECTURE_FLAGS = ("fc_norm", "norm_before_residual", "norm_output")
+
+
+def architecture_flags(d: dict[str, Any]) -> dict[str, bool]:
+    """The ARCHITECTURE_FLAGS of a config dict as DraftConfig keyword arguments; absent = False
+    (what vLLM assumes, so configs and folders written before the switches keep their meaning)."""
+    return {k: bool(d.get(k, False)) for k in ARCHITECTURE_FLAGS}
 
 
 def compose_draft_conf(draft: str, verifier: str | None = None) -> DictConfig:
@@ -159,11 +180,13 @@ class DraftMLP(nn.Module):
 
 
 class DraftLayer(nn.Module):
-    """The one EAGLE-3 decoder layer ("midlayer"): 2H-wide MLA input, residual from the hidden."""
+    """The one EAGLE-3 decoder layer ("midlayer"): 2H-wide MLA input, residual from the hidden
+    (from the normed hidden with norm_before_residual)."""
 
     def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.norm_before_residual = cfg.norm_before_residual
         self.input_layernorm = RMSNorm(H, eps)
         self.hidden_norm = RMSNorm(H, eps)
         self.self_attn = MLAttention(cfg.mla(), attention=cfg.attention)
@@ -179,15 +202,18 @@ class DraftLayer(nn.Module):
         segment_ids: Tensor | None,
     ) -> tuple[Tensor, TTTCache]:
         """embeds, hidden: [B, T, H] -> (pre-norm output [B, T, H], cache)."""
-        x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)  # [B, T, 2H], embeddings first
+        normed = self.hidden_norm(hidden)
+        x = torch.cat((self.input_layernorm(embeds), normed), dim=-1)  # [B, T, 2H], embeddings first
         attn, cache = self.self_attn(x, positions, cache, segment_ids)
-        residual = hidden + attn
+        residual = (normed if self.norm_before_residual else hidden) + attn
         return residual + self.mlp(self.post_attention_layernorm(residual)), cache
 
 
 class StepOutput(NamedTuple):
-    hidden: Tensor            # [B, T, H] pre-norm output: the next step's hidden input
-    normed: Tensor            # [B, T, H] norm(hidden): what lm_head reads
+    # The next step's hidden input, as vLLM's drafter feeds it back: the layer's pre-norm
+    # output, or `normed` with norm_output. Every chain (training, simulation) reads this one.
+    hidden: Tensor            # [B, T, H]
+    normed: Tensor            # [B, T, H] norm(pre-norm output): what lm_head reads
     logits: Tensor | None     # [B, T, draft_vocab] (None when not asked for: the loss may chunk lm_head)
     cache: TTTCache           # keys/values for the next step
 
@@ -201,6 +227,10 @@ class Eagle3Draft(nn.Module):
         # state_dict / training checkpoints, nor exported (vLLM shares the target's).
         self.register_buffer("embed_tokens", torch.zeros(cfg.vocab_size, H), persistent=False)
         self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, H, bias=False)
+        # One norm per aux state: the verifier's layers differ widely in scale; normed, each
+        # reaches fc at unit RMS (times its learned weight).
+        self.fc_norm = (nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.num_aux))
+                        if cfg.fc_norm else None)
         self.midlayer = DraftLayer(cfg)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
@@ -253,6 +283,9 @@ class Eagle3Draft(nn.Module):
     # ---- forward pieces -------------------------------------------------------------------
     def project_aux(self, aux: Tensor) -> Tensor:
         """aux: [B, T, n_aux*H_t] (aux layers concatenated in aux_layer_ids order) -> [B, T, H]."""
+        if self.fc_norm is not None:
+            chunks = aux.chunk(len(self.fc_norm), dim=-1)
+            aux = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1)
         return self.fc(aux)
 
     def embed(self, input_ids: Tensor) -> Tensor:
@@ -276,13 +309,14 @@ class Eagle3Draft(nn.Module):
         """One draft step (TTT step k or one generation step).
 
         input_ids: [B, T] ids of this step; hidden: [B, T, H] (fc output at step 0, else the
-        previous step's `hidden`); positions: [B, T] RoPE positions (position_ids + k at step k);
-        cache: None at step 0, else the previous step's; segment_ids: [B, T] for packed rows.
+        previous step's `StepOutput.hidden`, which follows norm_output); positions: [B, T] RoPE
+        positions (position_ids + k at step k); cache: None at step 0, else the previous step's;
+        segment_ids: [B, T] for packed rows.
         """
         out, cache = self.midlayer(self.embed(input_ids), hidden, positions, cache, segment_ids)
         normed = self.norm(out)
         logits = self.compute_logits(normed) if with_logits else None
-        return StepOutput(out, normed, logits, cache)
+        return StepOutput(normed if self.config.norm_output else out, normed, logits, cache)
 
     def draft_to_target(self, draft_ids: Tensor) -> Tensor:
         return draft_to_target(draft_ids, self.d2t)

@@ -3,7 +3,7 @@
 The speculative engines run in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that forward
 hooks on vLLM's own drafter (worker.model_runner.drafter.model, an
 Eagle3DeepseekV2ForCausalLM loaded from our export) record what it computes during a real
-generation: the aux states its fc reads, the inputs of every draft step and its logits
+generation: the aux states it combines (fc_norm, fc), the inputs of every draft step and its logits
 (vLLM's compute_logits, with the d2t scatter). This project's draft then runs on the same
 inputs. One engine at a time: a class-scoped fixture per draft, shut down at class end.
 
@@ -88,7 +88,7 @@ def spec_metrics(llm) -> dict[str, object]:
 class DrafterRecord:
     """What vLLM's drafter computed, call by call (cleared before each generation)."""
 
-    fc: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)      # (aux in, fc out)
+    fc: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)      # (raw aux in, fc out)
     steps: list[dict[str, torch.Tensor]] = field(default_factory=list)             # one per forward
     proposals: list[torch.Tensor] = field(default_factory=list)                    # [batch, k] target ids
 
@@ -105,20 +105,25 @@ def install_recorder(llm) -> DrafterRecord:
         model = drafter.model
 
         def on_forward(module, args, kwargs, output):
-            normed, prenorm = output
+            normed, next_hidden = output
             record.steps.append({
                 "input_ids": kwargs["input_ids"].clone(),
                 "positions": kwargs["positions"].clone(),
                 "hidden_states": kwargs["hidden_states"].clone(),
-                "prenorm": prenorm.clone(),
+                "next_hidden": next_hidden.clone(),   # fed to the next step: pre-norm, or normed with norm_output
                 "logits": module.compute_logits(normed).clone(),   # vLLM's lm_head + d2t scatter
             })
 
-        def on_fc(module, args, output):
-            record.fc.append((args[0].clone(), output.clone()))
+        # Wrapped rather than hooked on fc: with fc_norm, fc's own input is already normed.
+        combine = model.combine_hidden_states
+
+        def recording_combine(hidden_states):
+            combined = combine(hidden_states)
+            record.fc.append((hidden_states.clone(), combined.clone()))
+            return combined
 
         model.register_forward_hook(on_forward, with_kwargs=True)
-        model.model.fc.register_forward_hook(on_fc)
+        model.combine_hidden_states = recording_combine
         propose = drafter.propose
 
         def recording_propose(*args, **kwargs):
@@ -168,7 +173,8 @@ def compare_first_round(llm, record: DrafterRecord, ours: Eagle3Draft, prompt: s
     """Run one prompt; check our draft against vLLM's for its first proposal round.
 
     Step 0 covers every prompt position at once; steps 1..k-1 are the chained single-position
-    steps, fed the previous step's pre-norm hidden and proposed token as vLLM's proposer does.
+    steps, fed the previous step's hidden output (StepOutput.hidden) and proposed token as vLLM's
+    proposer does.
     Returns vLLM's proposals [k] (target ids).
     """
     record.clear()
@@ -187,7 +193,7 @@ def compare_first_round(llm, record: DrafterRecord, ours: Eagle3Draft, prompt: s
         cache, ours_proposed, diffs = None, [], []
         for k, theirs in enumerate(steps):
             if k > 0:
-                # vLLM feeds its step k-1 proposal and our previous pre-norm hidden must be its input.
+                # vLLM feeds its step k-1 proposal, and our previous step's hidden must be its input.
                 assert int(theirs["input_ids"][0]) == ours_proposed[-1]
                 assert int(theirs["positions"][0]) == int(positions[0, -1]) + k
                 torch.testing.assert_close(hidden[0, -1], theirs["hidden_states"][0], rtol=0, atol=ATOL)
@@ -196,7 +202,7 @@ def compare_first_round(llm, record: DrafterRecord, ours: Eagle3Draft, prompt: s
             logits = ours.to_target_logits(out.logits)[0]                      # [T, V]
             rows = slice(None) if k == 0 else slice(-1, None)       # step 0: every prompt position
             torch.testing.assert_close(logits[rows], theirs["logits"], rtol=0, atol=ATOL)
-            torch.testing.assert_close(out.hidden[0, rows], theirs["prenorm"], rtol=0, atol=ATOL)
+            torch.testing.assert_close(out.hidden[0, rows], theirs["next_hidden"], rtol=0, atol=ATOL)
             finite = theirs["logits"].isfinite()
             diffs.append(float((logits[rows][finite] - theirs["logits"][finite]).abs().max()))
             ours_proposed.append(int(ours.draft_to_target(out.logits[0, -1].argmax())))
