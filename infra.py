@@ -100,3 +100,16 @@ def failpoint(name: str) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     else:
         raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (failpoint {name})")
+
+
+def process_memory_bytes(field: str = "VmRSS") -> int | None:
+    """This process's memory from /proc/self/status: VmRSS (resident now) or VmHWM (peak
+    resident since start or the last reset); None where /proc is missing (not Linux)."""
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return None

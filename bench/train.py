@@ -52,7 +52,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import infra
 from bench.gpu_train import model_flops, peak_flops
-from infra import REPO_ROOT, compose_config, resolve
+from infra import REPO_ROOT, compose_config, process_memory_bytes, resolve
 
 infra.configure_environment()  # offline hubs, caches in the repo (DeepSpeed's torch extensions, Triton)
 
@@ -239,10 +239,10 @@ def plain_step_time(cfg: DictConfig, objective, batch, total_steps: int, repeats
 
 # ---- loss memory ---------------------------------------------------------------------------------
 def _rss_bytes(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
+    value = process_memory_bytes(field)
+    if value is None:
+        raise RuntimeError(f"no {field} in /proc/self/status")
+    return value
 
 
 def loss_memory_child(T: int, V: int, H: int, chunk_bytes: int) -> dict[str, Any]:

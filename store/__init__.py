@@ -18,7 +18,8 @@ this package (`from store import StoreWriter, StoreReader`); its modules, one co
 """
 from store.durable import Manifest, ShardEntry, StoreCorruptError
 from store.encoding import (FP4_MAX, FP8_MAX, decode_bf16, decode_bf16_planes, decode_fp4, decode_fp8,
-                            encode_bf16, encode_bf16_planes, encode_fp4, encode_fp8, encode_topk, target_rows)
+                            encode_bf16, encode_bf16_planes, encode_fp4, encode_fp8, encode_topk, target_rows,
+                            verifier_topk)
 from store.format import (AUX, AUX_ENCODINGS, AUX_SCALE, CORRUPT_PREFIX, FINAL, FINAL_ENCODINGS, FINAL_OFFSETS,
                           FINAL_ROWS, FORMAT_VERSION, INPUT_IDS, LOSS_MASK, MANIFEST_DIR, MODES, OFFSETS,
                           SHARDS_DIR, STORE_META, TARGET_IDS, TARGET_LOGPROBS, TMP_PREFIX, StorageSettings,
@@ -36,7 +37,7 @@ __all__ = [
     "TARGET_LOGPROBS", "TMP_PREFIX", "Manifest", "Problem", "Sample", "SampleRef", "ShardCorruptError",
     "ShardEntry", "StorageSettings", "StoreCorruptError", "StoreMismatchError", "StoreReader",
     "StoreWriteError", "StoreWriter", "WriterStats", "aux_capture_of", "check_aux_capture", "decode_bf16",
-    "decode_bf16_planes", "decode_fp4", "decode_fp8", "dist_env", "encode_bf16", "encode_bf16_planes", "encode_fp4", "encode_fp8", "encode_topk",
+    "decode_bf16_planes", "decode_fp4", "decode_fp8", "dist_env", "encode_bf16", "encode_bf16_planes", "encode_fp4", "encode_fp8", "encode_topk", "verifier_topk",
     "format_inspect", "inspect_store", "rank_of", "read_store_meta", "shard_name", "storage_of",
     "target_rows", "verifier_identity",
 ]

@@ -154,25 +154,33 @@ _TOPK_LOGITS_AT_ONCE = 1 << 26
 FLOAT16_MIN = -65504.0
 
 
-def encode_topk(final: torch.Tensor, head: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The verifier's k most likely next tokens at each row of final [M, H], descending:
-    (ids int32 [M, k], log-probabilities float16 [M, k]), logprobs = log_softmax(final.float()
-    @ head.T) over the full vocabulary of head [V, H] (the lm_head), in float32 on head's device,
-    a chunk of rows at a time (never an [M, V] tensor). The ids are exact; the log-probabilities
-    are the float32 values rounded to float16 (relative error <= 2**-11), any below -65504
-    clamped to it so that a stored row stays finite."""
+def verifier_topk(final: torch.Tensor, head: torch.Tensor, k: int, max_logits: int = _TOPK_LOGITS_AT_ONCE
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The verifier's k most likely next tokens at each row of final [M, H], descending, on head's
+    device: (ids int64 [M, k], log-probabilities float32 [M, k]), logprobs = log_softmax(final.float()
+    @ head.T) over the full vocabulary of head [V, H] (the lm_head), computed in float32 a block of
+    rows at a time (at most max_logits logits: never an [M, V] tensor). The writer stores these
+    (encode_topk); the trainer computes them on the fly from final states (train/objective.py)."""
     weight = head.detach().float()  # a no-op for a float32 head
-    ids = np.empty((len(final), k), np.int32)
-    logprobs = np.empty((len(final), k), np.float16)
-    step = max(1, _TOPK_LOGITS_AT_ONCE // len(weight))
+    ids = torch.empty(len(final), k, dtype=torch.int64, device=weight.device)
+    logprobs = torch.empty(len(final), k, dtype=torch.float32, device=weight.device)
+    step = max(1, max_logits // len(weight))
     with torch.no_grad():
         for start in range(0, len(final), step):
             rows = final[start:start + step].to(weight.device, torch.float32)
             top = torch.log_softmax(rows @ weight.T, dim=-1).topk(k, dim=-1)  # sorted: descending
-            ids[start:start + step] = top.indices.to("cpu", torch.int32).numpy()
-            values = top.values.clamp(min=FLOAT16_MIN).to("cpu", torch.float16)
-            logprobs[start:start + step] = values.numpy()
+            ids[start:start + step] = top.indices
+            logprobs[start:start + step] = top.values
     return ids, logprobs
+
+
+def encode_topk(final: torch.Tensor, head: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """verifier_topk as the store keeps it: (ids int32 [M, k], log-probabilities float16 [M, k]).
+    The ids are exact; the log-probabilities are the float32 values rounded to float16 (relative
+    error <= 2**-11), any below -65504 clamped to it so that a stored row stays finite."""
+    ids, logprobs = verifier_topk(final, head, k)
+    return (ids.to("cpu", torch.int32).numpy(),
+            logprobs.clamp(min=FLOAT16_MIN).to("cpu", torch.float16).numpy())
 
 
 def target_rows(loss_mask: torch.Tensor) -> torch.Tensor:

@@ -359,3 +359,53 @@ def test_step_inputs_count_only_stored_rows(tiny_cfg: DraftConfig) -> None:
         _, _, counted = step_inputs(batch, k)
         b, t = counted.nonzero(as_tuple=True)
         assert stored[b, t + 1 + k].all()
+
+
+def _dense_batch(cfg: DraftConfig) -> dict[str, Tensor]:
+    rows = [[_sample(cfg, T, seed) for seed, T in ((0, 23), (1, 17))], [_sample(cfg, 30, 2)]]
+    return collate_rows([pack_row(row, 48) for row in rows])
+
+
+def test_topk_targets_from_final_states_with_every_id_equal_the_dense_objective(
+        tiny_cfg: DraftConfig, draft_verifier_dir: Path) -> None:
+    """target_topk = V: the objective's own top-k of the final states trains as the dense loss."""
+    from model.verifier_weights import read_verifier_head
+
+    head = read_verifier_head(draft_verifier_dir, torch.float32).lm_head   # [V, H]
+    batch = _dense_batch(tiny_cfg)
+    results = []
+    for k in (None, tiny_cfg.vocab_size):
+        obj = _objective(tiny_cfg, draft_verifier_dir, head)
+        obj.cfg = dataclasses.replace(obj.cfg, target_topk=k)
+        out = obj(batch)
+        out.loss.backward()
+        results.append((out, {n: p.grad for n, p in obj.named_parameters() if p.requires_grad}))
+    (a, ga), (b, gb) = results
+    assert a.stats.count[0] > 10 and a.stats.count.tolist() == b.stats.count.tolist()
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-5, atol=1e-5)
+    assert a.stats.correct.tolist() == b.stats.correct.tolist()
+    for name in ga:
+        torch.testing.assert_close(gb[name], ga[name], rtol=1e-3, atol=1e-6)
+
+
+def test_topk_targets_are_the_verifier_topk_on_the_rows_a_step_reads(tiny_cfg: DraftConfig,
+                                                                     draft_verifier_dir: Path) -> None:
+    from model.verifier_weights import read_verifier_head
+    from train.objective import topk_targets
+
+    head = read_verifier_head(draft_verifier_dir, torch.float32).lm_head
+    batch = _dense_batch(tiny_cfg)
+    got = topk_targets(batch, head, 5, 1 << 16)                  # a few rows per logits block
+    read = torch.zeros_like(batch["loss_mask"])                   # rows t+1+k of counted (t, k)
+    for k in range(4):
+        _, _, counted = step_inputs(batch, k)
+        b, t = counted.nonzero(as_tuple=True)
+        read[b, t + 1 + k] = True
+    has = got["target_ids"][..., 0] >= 0
+    assert read.any() and torch.equal(has & read, read)           # every row a step reads
+    assert not (has & (batch["segment_ids"] < 0)).any()           # never padding
+    logprobs = torch.log_softmax(batch["final"].float() @ head.T, -1)
+    top = logprobs.topk(5, -1)
+    assert torch.equal(got["target_ids"][has], top.indices[has])
+    torch.testing.assert_close(got["target_logprobs"][has], top.values[has])
+    assert (got["target_ids"][~has] == -1).all() and (got["target_logprobs"][~has] == NEG_INF).all()

@@ -21,7 +21,8 @@ import train.loop as loop
 from infra import REPO_ROOT, compose_config
 from model.checkpoint import load_draft
 from store import StoreMismatchError, StoreWriter, verifier_identity
-from train.engine import COMPLETE, NonFiniteLossError, complete_checkpoints, consolidated_checkpoint_state
+from train.engine import (COMPLETE, NonFiniteLossError, complete_checkpoints, consolidated_checkpoint_state,
+                          precision_of)
 from train.metrics import read_jsonl
 from train.objective import Eagle3Objective, ObjectiveOutput
 
@@ -153,7 +154,14 @@ def test_export_loads_back_with_the_trained_weights(zero_runs: dict[str, Path], 
     assert all(torch.equal(again.state_dict()[k], v) for k, v in exported.items())
 
 
-def test_bf16_the_default_precision_trains(tmp_path: Path, train_store: Path, draft_verifier_dir: Path) -> None:
+def test_precision_auto_is_fp32_on_cpu_and_bf16_on_accelerators() -> None:
+    assert precision_of("auto", "cpu") == "fp32" and precision_of("auto", "cuda") == "bf16"
+    assert precision_of("bf16", "cpu") == "bf16" and precision_of("fp32", "cuda") == "fp32"
+    with pytest.raises(ValueError, match="fp16"):
+        precision_of("fp16", "cpu")
+
+
+def test_bf16_the_gpu_precision_trains(tmp_path: Path, train_store: Path, draft_verifier_dir: Path) -> None:
     run = tmp_path / "bf16"
     summary = _fit(run, _overrides(train_store, draft_verifier_dir, "train.precision=bf16", "train.steps=3"))
     losses = _losses(run)

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from infra import failpoint, resolve
+from infra import failpoint, process_memory_bytes, resolve
 from model.card import SUMMARY, write_card
 from model.checkpoint import draft_config_json, export_draft, init_from_draft
 from model.draft import DraftConfig, build_draft
@@ -58,8 +58,9 @@ class RunSetup:
 
 
 def _objective_config(cfg: DictConfig, steps: int | None = None) -> ObjectiveConfig:
+    loss = cfg.train.loss
     return ObjectiveConfig(steps=int(steps or cfg.train.ttt.steps), decay=float(cfg.train.ttt.decay),
-                           chunk_bytes=int(cfg.train.loss.chunk_bytes))
+                           chunk_bytes=int(loss.chunk_bytes), target_topk=loss.get("target_topk"))
 
 
 def _pruned_vocab(cfg: DraftConfig, split: StoreSplit, run_dir: Path, verifier: Path) -> torch.Tensor:
@@ -193,6 +194,8 @@ def fit(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             record = {"loss": loss, **step_metrics(stats), "lr": lr,
                       "grad_norm": None if grad_norm is None else float(grad_norm),
                       "tokens": tokens, "tokens_per_s": tokens / elapsed,
+                      # This process's resident memory now and at its peak (DataLoader workers apart).
+                      "rss_bytes": process_memory_bytes("VmRSS"), "peak_rss_bytes": process_memory_bytes("VmHWM"),
                       "epoch": plan[(done - start) * rows_per_rank_step - 1][0]}
             if done % int(t.log_every) == 0 or done == setup.total_steps:
                 log.write("train", done, record)
@@ -216,7 +219,7 @@ def fit(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         log.close()
     summary = {"run_dir": str(run_dir), "rank": rank, "world_size": world, "steps": setup.total_steps,
                "resumed_from": str(resume_from) if resume_from else None, "zero_stage": E.zero_stage(engine),
-               "precision": t.precision, "train_tokens_per_s": tokens_total / time_total if time_total else None,
+               "precision": E.precision_of(t.precision), "train_tokens_per_s": tokens_total / time_total if time_total else None,
                "heldout": heldout, "exported": exported, "last_checkpoint": str(last_ckpt) if last_ckpt else None,
                "config": OmegaConf.to_container(cfg, resolve=True)}
     if rank == 0:

@@ -46,6 +46,13 @@ target_ids[..., 0], the verifier's argmax over the full vocabulary, as in the de
 tokens lowers both entropy and KL, so this loss is at most the dense one on the same positions:
 compare losses only between runs with the same kind of targets (top-1 agreement compares across).
 
+Top-k targets from final states (`target_topk` k): the objective turns a batch's final states
+into the verifier's top-k once per micro-batch, on the rows some step reads (row r where the
+token r+1 is counted), and trains with the bucket cross-entropy above. The dense loss evaluates
+the verifier's [rows, V] logits 2K times per micro-batch (each step's forward, and again in its
+backward); this evaluates them once and never again, at the price of knowing the target on its
+top-k only, the same approximation a top-k store makes.
+
 Memory: logits exist only for `chunk` tokens at a time ([chunk, V] fp32 blocks of about
 `chunk_bytes`), in the forward and in the backward, which recomputes them (ChunkedSoftCE, and
 ChunkedTopKCE with [chunk, Vd] blocks only: no verifier logits).
@@ -61,6 +68,7 @@ from torch import Tensor, nn
 
 from model.draft import Eagle3Draft, StepOutput
 from model.vocab import target_ids_of
+from store.encoding import verifier_topk
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,7 @@ class ObjectiveConfig:
     steps: int                 # TTT steps K
     decay: float               # step k weighs decay**k
     chunk_bytes: int           # bytes of one [chunk, V] fp32 logits block
+    target_topk: int | None = None   # train final-state batches on the verifier's top-k (module docstring)
 
     def weights(self, steps: int | None = None) -> list[float]:
         return [self.decay ** k for k in range(steps or self.steps)]
@@ -116,6 +125,23 @@ def step_inputs(batch: dict[str, Tensor], k: int) -> tuple[Tensor, Tensor, Tenso
     ids = shift_in_sample(batch["input_ids"], seg, 1 + k, 0)
     counted = shift_in_sample(batch["loss_mask"], seg, 2 + k, False) & (seg >= 0)
     return ids, batch["position_ids"] + k, counted
+
+
+def topk_targets(batch: dict[str, Tensor], target_head: Tensor, k: int, chunk_bytes: int
+                 ) -> dict[str, Tensor]:
+    """target_ids [B, T, k] (-1 on unread rows) and target_logprobs [B, T, k] (-inf there) of a
+    final-state batch: the verifier's top-k on every row some TTT step reads, row r of a sample
+    whose next token r+1 is in the loss mask (step_inputs counts t iff loss_mask[t+2+k], reading row
+    t+1+k). Shapes and fills are those of a top-k store's batches."""
+    seg = batch["segment_ids"]
+    rows = shift_in_sample(batch["loss_mask"], seg, 1, False) & (seg >= 0)        # [B, T]
+    b, t = rows.nonzero(as_tuple=True)
+    B, T = rows.shape
+    ids = torch.full((B, T, k), -1, dtype=torch.int64, device=rows.device)
+    logprobs = torch.full((B, T, k), float("-inf"), dtype=torch.float32, device=rows.device)
+    if b.numel():
+        ids[b, t], logprobs[b, t] = verifier_topk(batch["final"][b, t], target_head, k, chunk_bytes // 4)
+    return {"target_ids": ids, "target_logprobs": logprobs}
 
 
 def draft_chain(draft: Eagle3Draft, batch: dict[str, Tensor], steps: int
@@ -397,6 +423,10 @@ class Eagle3Objective(nn.Module):
         dtype = draft.fc.weight.dtype
         keep = None if draft.d2t is None else target_ids_of(draft.d2t)
         topk = "final" not in batch                                          # top-k targets instead
+        if not topk and self.cfg.target_topk and self.target_head is not None:
+            batch = {**batch, **topk_targets(batch, self.target_head, self.cfg.target_topk, self.cfg.chunk_bytes)}
+            del batch["final"]
+            topk = True
         if not topk and self.target_head is None:
             raise ValueError("a batch with final states needs the verifier's lm_head: this objective "
                              "was built without one (for a store of top-k targets)")

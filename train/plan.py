@@ -71,6 +71,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from model.draft import DraftConfig, build_draft
+from train.engine import precision_of
 from train.objective import Eagle3Objective, ObjectiveConfig, _Blocks
 
 DEFAULT_WORLD_SIZE = 8
@@ -230,10 +231,9 @@ class PlanSpec:
 def spec_from_cfg(cfg: DictConfig, world_size: int) -> PlanSpec:
     """The plan's inputs from a composed conf/train.yaml (its deepspeed group gives the stage)."""
     t, zero = cfg.train, cfg.deepspeed.zero_optimization
-    if t.precision not in ("bf16", "fp32"):
-        raise ValueError(f"train.precision {t.precision!r}: use bf16 or fp32")
+    # A plan sizes GPU runs: auto is what it resolves to on an accelerator.
     return PlanSpec(world_size=world_size, zero_stage=int(zero.stage), max_len=int(t.max_len),
-                    micro_batch=int(t.micro_batch), precision=str(t.precision), ttt_steps=int(t.ttt.steps),
+                    micro_batch=int(t.micro_batch), precision=precision_of(str(t.precision), "cuda"), ttt_steps=int(t.ttt.steps),
                     ttt_decay=float(t.ttt.decay), chunk_bytes=int(t.loss.chunk_bytes),
                     reduce_bucket_size=int(zero.get("reduce_bucket_size", DS_REDUCE_BUCKET)),
                     prefetch_bucket_size=int(zero.get("stage3_prefetch_bucket_size", DS_PREFETCH_BUCKET)),
