@@ -105,16 +105,33 @@ def attention_block_size(B: int, heads: int, T: int, tile_bytes: int = TILE_BYTE
     return min(T, max(MIN_BLOCK, min(MAX_BLOCK, rows)))
 
 
-def _hidden(segment_ids: Tensor | None, B: int, start: int, end: int, device: torch.device) -> Tensor:
-    """[B, 1, end - start, end] bool: True where query start + i may NOT see key s (s > start + i,
-    or another sample). The diagonal is always visible, so no query row is entirely hidden: a
-    padding position attends the padding before it, as eager attention over the same mask does."""
+def _hidden(segment_ids: Tensor | None, B: int, start: int, end: int, device: torch.device,
+            first: int = 0) -> Tensor:
+    """[B, 1, end - start, end - first] bool: True where query start + i may NOT see key first + s
+    (a later key, or another sample). The diagonal is always visible, so no query row is entirely
+    hidden: a padding position attends the padding before it, as eager attention over the same mask
+    does."""
     queries = torch.arange(start, end, device=device)[:, None]
-    future = torch.arange(end, device=device)[None, :] > queries                  # [n, end]
+    future = torch.arange(first, end, device=device)[None, :] > queries           # [n, end - first]
     if segment_ids is None:
-        return future.expand(B, 1, end - start, end)
-    other = segment_ids[:, start:end, None] != segment_ids[:, None, :end]         # [B, n, end]
+        return future.expand(B, 1, end - start, end - first)
+    other = segment_ids[:, start:end, None] != segment_ids[:, None, first:end]    # [B, n, end - first]
     return (future | other)[:, None]
+
+
+def _first_keys(segment_ids: Tensor | None, blocks: list[tuple[int, int]]) -> list[int]:
+    """Per query block, the first key any of its queries may see: the start of the sample (segment)
+    its first query is in, lowest over the batch. Keys before it are hidden from the whole block, so
+    a packed row of several samples skips their scores (segments are contiguous runs of a row).
+    On the meta device (train/plan.py) nothing is known of the samples: every key, the bound."""
+    if segment_ids is None or segment_ids.is_meta:
+        return [0] * len(blocks)
+    B, T = segment_ids.shape
+    idx = torch.arange(T, device=segment_ids.device).expand(B, T)
+    is_start = torch.ones_like(segment_ids, dtype=torch.bool)
+    is_start[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    seg_start = torch.where(is_start, idx, torch.zeros_like(idx)).cummax(dim=1).values     # [B, T]
+    return seg_start[:, [start for start, _ in blocks]].amin(0).tolist()
 
 
 def _accumulation_dtype(x: Tensor) -> torch.dtype:
@@ -153,13 +170,14 @@ class _CausalAttentionWithLse(torch.autograd.Function):
         kf, vf = _heads_first(k, acc), _heads_first(v, acc)                      # [B, h, T, d]
         out = torch.empty(B, T, h, v.shape[-1], dtype=acc, device=q.device)
         lse = torch.empty(B, T, h, dtype=acc, device=q.device)
-        for start, end in _blocks(T, block):
-            hidden = _hidden(segment_ids, B, start, end, q.device)
+        blocks = _blocks(T, block)
+        for (start, end), lo in zip(blocks, _first_keys(segment_ids, blocks)):
+            hidden = _hidden(segment_ids, B, start, end, q.device, lo)
             q_blk = _heads_first(q[:, start:end], acc)                           # [B, h, n, dqk]
-            scores = _scores(q_blk, kf[:, :, :end], scale, hidden)               # [B, h, n, end]
+            scores = _scores(q_blk, kf[:, :, lo:end], scale, hidden)             # [B, h, n, end - lo]
             lse_blk = torch.logsumexp(scores, dim=-1)                            # [B, h, n]
             probs = scores.sub_(lse_blk[..., None]).exp_()
-            out[:, start:end] = torch.matmul(probs, vf[:, :, :end]).transpose(1, 2)
+            out[:, start:end] = torch.matmul(probs, vf[:, :, lo:end]).transpose(1, 2)
             lse[:, start:end] = lse_blk.transpose(1, 2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale, ctx.segment_ids, ctx.block = scale, segment_ids, block
@@ -178,18 +196,19 @@ class _CausalAttentionWithLse(torch.autograd.Function):
         kf, vf = _heads_first(k, acc), _heads_first(v, acc)                      # [B, h, T, d]
         dq = torch.empty_like(q)                                                 # a block's rows are final
         dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)                      # every later block adds
-        for start, end in _blocks(T, ctx.block):
-            hidden = _hidden(ctx.segment_ids, B, start, end, q.device)
+        blocks = _blocks(T, ctx.block)
+        for (start, end), lo in zip(blocks, _first_keys(ctx.segment_ids, blocks)):
+            hidden = _hidden(ctx.segment_ids, B, start, end, q.device, lo)
             q_blk = _heads_first(q[:, start:end], acc)                           # [B, h, n, dqk]
             do_blk = _heads_first(d_out[:, start:end], acc)                      # [B, h, n, dv]
-            probs = _scores(q_blk, kf[:, :, :end], ctx.scale, hidden)
-            probs = probs.sub_(lse_h[:, :, start:end, None]).exp_()              # [B, h, n, end]
-            dv[:, :, :end] += torch.matmul(probs.transpose(-1, -2), do_blk)
-            ds = torch.matmul(do_blk, vf[:, :, :end].transpose(-1, -2))          # dP [B, h, n, end]
+            probs = _scores(q_blk, kf[:, :, lo:end], ctx.scale, hidden)
+            probs = probs.sub_(lse_h[:, :, start:end, None]).exp_()              # [B, h, n, end - lo]
+            dv[:, :, lo:end] += torch.matmul(probs.transpose(-1, -2), do_blk)
+            ds = torch.matmul(do_blk, vf[:, :, lo:end].transpose(-1, -2))        # dP [B, h, n, end - lo]
             ds = ds.sub_(shift[:, :, start:end, None]).mul_(probs)
             del probs
-            dq[:, start:end] = torch.matmul(ds, kf[:, :, :end]).mul_(ctx.scale).transpose(1, 2)
-            dk[:, :, :end] += torch.matmul(ds.transpose(-1, -2), q_blk)
+            dq[:, start:end] = torch.matmul(ds, kf[:, :, lo:end]).mul_(ctx.scale).transpose(1, 2)
+            dk[:, :, lo:end] += torch.matmul(ds.transpose(-1, -2), q_blk)
         dk = dk.mul_(ctx.scale).transpose(1, 2).to(k.dtype)
         return dq, dk, dv.transpose(1, 2).to(v.dtype), None, None, None
 

@@ -272,6 +272,33 @@ def test_blockwise_attention_equals_materialised(T: int, block: int | None, segm
         assert torch.isfinite(a).all(), name
 
 
+def _all_packed(T: int) -> torch.Tensor:
+    """Two rows, each several samples then padding: no row is one sample, so query blocks past the
+    first samples skip keys (what `_first_keys` finds)."""
+    seg = torch.full((2, T), -1)
+    seg[0, :7], seg[0, 7:T // 2], seg[0, T // 2:T - 4] = 0, 1, 2
+    seg[1, :T // 3], seg[1, T // 3:T - 2] = 5, 6
+    return seg
+
+
+@pytest.mark.parametrize("T,block", [(40, 4), (40, 9), (64, 16)])
+def test_blockwise_attention_skips_earlier_samples_exactly(T: int, block: int) -> None:
+    from model.mla import _blocks, _first_keys
+
+    seg = _all_packed(T)
+    firsts = _first_keys(seg, _blocks(T, block))
+    assert max(firsts) > 0 and firsts == sorted(firsts)                 # later blocks start later
+    for (start, _), lo in zip(_blocks(T, block), firsts):   # the earliest sample start in the block's rows
+        assert lo == min(int((seg[b] == seg[b, start]).nonzero().min()) for b in range(2))
+    g = torch.Generator().manual_seed(T + block)
+    q, k, v = _qkv(2, T, 3, 16, 8, g)
+    r_out, r_lse = torch.randn(2, T, 3, 8, generator=g), torch.randn(2, T, 3, generator=g)
+    ours = _out_lse_and_grads(lambda *a: causal_attention_with_lse(*a, block_size=block), q, k, v, seg, r_out, r_lse)
+    ref = _out_lse_and_grads(_materialised_attention_with_lse, q, k, v, seg, r_out, r_lse)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), ours, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=name)
+
+
 def test_blockwise_attention_on_padding_rows_is_finite_and_local() -> None:
     """An all-padding row and padding segments attend the padding before them (the diagonal is
     always visible): finite, and the padding leaves the samples' outputs and gradients alone."""
