@@ -72,6 +72,7 @@ class DraftConfig:
     # Training-time choices (not part of the exported checkpoint).
     attention: str = "ttt"                  # "ttt" | "reference" (model/mla.py)
     train_head: bool = False                # train final norm and lm_head too
+    train_norm: bool = False                # train the final norm (lm_head stays frozen unless train_head)
 
     @property
     def pruned(self) -> bool:
@@ -129,6 +130,7 @@ class DraftConfig:
             **architecture_flags(d),
             attention=d.get("attention", "ttt"),
             train_head=bool(d.get("train_head", False)),
+            train_norm=bool(d.get("train_norm", False)),
         )
 
 
@@ -241,7 +243,7 @@ class Eagle3Draft(nn.Module):
         else:
             self.d2t = None
             self.t2d = None
-        self.norm.weight.requires_grad_(cfg.train_head)
+        self.norm.weight.requires_grad_(cfg.train_head or cfg.train_norm)
         self.lm_head.weight.requires_grad_(cfg.train_head)
 
     # ---- initialisation -------------------------------------------------------------------
