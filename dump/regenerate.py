@@ -4,6 +4,10 @@ Turn by turn: round k asks the verifier for the k-th assistant turn of every con
 the batch (one engine call per round), given the conversation so far with the answers it
 already regenerated. Each request carries a seed derived from the sample id, so a resumed dump
 regenerates exactly what an uninterrupted one would have.
+
+turns: all answers every user turn in order (rounds wait for the longest answer of the batch,
+so a batch takes as many generate calls as its longest conversation has turns); first answers
+only the first user turn and drops the rest of the conversation: one generate call per batch.
 """
 from __future__ import annotations
 
@@ -31,7 +35,11 @@ def regenerate(llm, tokenizer: PreTrainedTokenizerBase, conversations: Sequence[
     stop = [tokenizer.convert_tokens_to_ids(end_of_turn)]
     done: list[list[Message]] = [[] for _ in conversations]
     pending = [list(c.messages) for c in conversations]
+    if cfg.get("turns", "all") not in ("all", "first"):
+        raise ValueError(f"regenerate.turns {cfg.turns!r}: use all or first")
     n_rounds = max(sum(m.role == "assistant" for m in c.messages) for c in conversations)
+    if cfg.get("turns", "all") == "first":
+        n_rounds = min(n_rounds, 1)
     for _ in range(n_rounds):
         requests, owners = [], []
         for i, messages in enumerate(pending):

@@ -123,7 +123,7 @@ def test_regeneration_is_the_verifiers_own_and_reproducible(verifier_llm, kimi_t
     from dump.regenerate import regenerate
 
     tokenizer = AutoTokenizer.from_pretrained(kimi_tiny_dir)
-    cfg = compose_config("dump", ["regenerate.max_tokens=24"])
+    cfg = compose_config("dump", ["regenerate.max_tokens=24", "regenerate.turns=all", "regenerate.temperature=0.7"])
     convs = short_multiturn(3)
     first = regenerate(verifier_llm, tokenizer, convs, cfg.regenerate,
                        kimi_tiny_cfg.end_of_turn, 512)
@@ -138,5 +138,21 @@ def test_regeneration_is_the_verifiers_own_and_reproducible(verifier_llm, kimi_t
         old_answers = [m.content for m in old.messages if m.role == "assistant"]
         assert new_answers and new_answers != old_answers[:len(new_answers)]
         assert len(new.messages) % 2 == 0 or new.messages[0].role == "system"
+
+
+def test_regenerating_the_first_turn_keeps_only_the_first_exchange(verifier_llm, kimi_tiny_dir: Path,
+                                                                   kimi_tiny_cfg: DictConfig) -> None:
+    from dump.regenerate import regenerate
+
+    tokenizer = AutoTokenizer.from_pretrained(kimi_tiny_dir)
+    cfg = compose_config("dump", ["regenerate.max_tokens=24", "regenerate.turns=first"])
+    convs = short_multiturn(3)
+    assert all(sum(m.role == "assistant" for m in c.messages) > 1 for c in convs)
+    for old, new in zip(convs, regenerate(verifier_llm, tokenizer, convs, cfg.regenerate,
+                                          kimi_tiny_cfg.end_of_turn, 512)):
+        first_answer = [m.role for m in old.messages].index("assistant")
+        assert new.messages[:first_answer] == old.messages[:first_answer]
+        assert len(new.messages) == first_answer + 1 and new.messages[-1].role == "assistant"
+        assert new.messages[-1].content != old.messages[first_answer].content
 
 
