@@ -187,6 +187,21 @@ def simulate_all(cfg: DictConfig, stores: dict[str, dict[str, Path]], verifier: 
 
 
 # ---- 5. report -----------------------------------------------------------------------------
+DRAFT_SAMPLES = ("auto", "greedy", "probabilistic")
+
+
+def proposal_method(draft_sample: str, draft_dir: Path) -> str:
+    """cfg.draft_sample as vLLM takes it: auto is probabilistic for a full-vocabulary draft and
+    greedy for a pruned one (vLLM refuses probabilistic proposals with a d2t map)."""
+    if draft_sample not in DRAFT_SAMPLES:
+        raise ValueError(f"draft_sample {draft_sample!r}: use one of {', '.join(DRAFT_SAMPLES)}")
+    if draft_sample != "auto":
+        return draft_sample
+    config = json.loads((draft_dir / "config.json").read_text())
+    pruned = config.get("draft_vocab_size", config["vocab_size"]) != config["vocab_size"]
+    return "greedy" if pruned else "probabilistic"
+
+
 def evaluate_draft(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
@@ -196,6 +211,7 @@ def evaluate_draft(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
     draft_dir = resolve(cfg.draft_dir)
     check_draft(draft_dir, cfg)
+    cfg.draft_sample = proposal_method(str(cfg.draft_sample), draft_dir)
     verifier = verifier_dir(cfg.verifier)
     tokenizer = AutoTokenizer.from_pretrained(verifier)
     stop = [tokenizer.convert_tokens_to_ids(cfg.verifier.end_of_turn)]

@@ -106,3 +106,18 @@ def test_engine_configs_compose(engine: str) -> None:
     kwargs = engine_kwargs(compose_config("dump", [f"engine={engine}"]).engine)
     assert kwargs["tensor_parallel_size"] >= 1
     assert ("compilation_config" in kwargs) == (engine == "cpu")
+
+
+@pytest.mark.parametrize("draft_vocab,wanted", [(8192, "probabilistic"), (4096, "greedy")])
+def test_auto_proposal_is_probabilistic_unless_the_vocabulary_is_pruned(tmp_path, draft_vocab: int,
+                                                                        wanted: str) -> None:
+    import json
+
+    from evaluation.run import proposal_method
+
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 8192, "draft_vocab_size": draft_vocab}))
+    assert compose_config("eval", ["draft_dir=x"]).draft_sample == "auto"
+    assert proposal_method("auto", tmp_path) == wanted
+    assert proposal_method("greedy", tmp_path) == "greedy"
+    with pytest.raises(ValueError, match="draft_sample"):
+        proposal_method("typical", tmp_path)
