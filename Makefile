@@ -101,15 +101,11 @@ eval: setup
 	@test -n "$(EVAL_DRAFT)" || { echo "make eval: no draft (pass DRAFT=<folder>, e.g. runs/train/<run>/draft)" >&2; exit 2; }
 	$(PY) -m evaluation draft_dir=$(EVAL_DRAFT) $(PROMPTS_ARGS) $(ARGS)
 
-# The whole pipeline on the embedded default, in fixed folders under runs/demo so that running it
-# again resumes (the dump skips what it stored, training continues from its newest checkpoint).
-DEMO_DIR := runs/demo
+# The whole pipeline on the embedded default (dump, train, eval with their defaults), in fixed
+# folders under runs/demo so that running it again resumes; prints each stage's time and writes
+# bench/results/demo.json (bench/demo.py).
 demo: setup
-	@start=$$(date +%s); \
-	$(MAKE) --no-print-directory dump ARGS= && \
-	$(MAKE) --no-print-directory train ARGS="hydra.run.dir=$(DEMO_DIR)/train" && \
-	$(MAKE) --no-print-directory eval DRAFT=$(DEMO_DIR)/train/draft ARGS="hydra.run.dir=$(DEMO_DIR)/eval" && \
-	echo "make demo: done in $$(( $$(date +%s) - start )) s; report $(DEMO_DIR)/eval/eval.json, draft $(DEMO_DIR)/train/draft"
+	$(PY) -m bench.demo $(ARGS)
 
 # Trainer throughput, MFU against a matmul measured in the same run, DeepSpeed vs plain PyTorch
 # step time and the chunked loss's peak memory at Kimi's vocabulary: bench/results/train.json.
@@ -144,5 +140,18 @@ bench-capture: setup
 .PHONY: bench-storage
 bench-storage: setup
 	$(PY) -m bench.storage $(ARGS)
+
+# The draft recipe lever by lever at the peer setting (100 steps on `make dump`'s store): held-out
+# chain accept length, tokens/s and peak RSS per rung: bench/results/recipe.json and recipe.md.
+# ARGS="--variants before topk" reruns some; "--jobs 2" trains two at once (no speed figures).
+.PHONY: bench-recipe
+bench-recipe: setup
+	$(PY) -m bench.recipe $(ARGS)
+
+# Held-out chain accept length against training tokens and data size (shares of the training
+# split): bench/results/quality.json and quality.png.
+.PHONY: bench-quality
+bench-quality: setup
+	$(PY) -m bench.quality $(ARGS)
 
 bench: bench-dump bench-train

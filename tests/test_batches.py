@@ -63,6 +63,17 @@ def test_heldout_split_is_stable_and_keeps_conversations_together(train_store: P
     assert not any(sharegpt_split_key(r.sample_id) in held_conversations for r in split.train)
 
 
+def test_a_train_fraction_is_a_nested_subset_and_keeps_the_heldout(train_store: Path) -> None:
+    split = StoreSplit.open(train_store, 0.3, 1)
+    half, quarter = split.with_train_fraction(0.5), split.with_train_fraction(0.25)
+    ids = lambda s: {r.sample_id for r in s.train}                      # noqa: E731
+    assert len(half.train) == -(-len(split.train) // 2) and 0 < len(quarter.train) <= len(half.train)
+    assert ids(quarter) <= ids(half) <= ids(split)
+    assert half.heldout == split.heldout and split.with_train_fraction(1.0) is split
+    with pytest.raises(ValueError, match="train_fraction"):
+        split.with_train_fraction(0.0)
+
+
 # ---- reading rows ---------------------------------------------------------------------------------
 def test_packed_rows_hold_the_samples_with_restarting_positions(train_store: Path) -> None:
     reader = StoreReader(train_store)

@@ -41,6 +41,8 @@ fraction and seed of conf/train.yaml: stable whatever the store's order or size.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import math
 import random
 from collections.abc import Callable, Iterator, Sequence
@@ -311,6 +313,17 @@ class StoreSplit:
         train, heldout = split_samples(reader.samples(), heldout_fraction, heldout_seed,
                                        split_key_of(reader))
         return cls(Path(path), reader, train, heldout)
+
+    def with_train_fraction(self, fraction: float) -> StoreSplit:
+        """The same split training on a share of its training samples only (learning curves over
+        data size): the first ceil(fraction x n) by sha256 of sample id, so a smaller share is a
+        subset of a larger one and the held-out samples never change."""
+        if not 0 < fraction <= 1:
+            raise ValueError(f"train.train_fraction {fraction}: use a share in (0, 1]")
+        if fraction == 1:
+            return self
+        order = sorted(self.train, key=lambda r: hashlib.sha256(r.sample_id.encode()).hexdigest())
+        return dataclasses.replace(self, train=order[:math.ceil(fraction * len(order))])
 
     def train_stream(self, max_len: int, seed: int) -> RowStream:
         return RowStream([r.num_tokens for r in self.train], max_len, seed)

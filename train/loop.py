@@ -84,6 +84,7 @@ def prepare(cfg: DictConfig, run_dir: Path, world_size: int) -> RunSetup:
     verifier = verifier_dir(cfg.verifier)
     draft_cfg = DraftConfig.from_conf(cfg.draft, verifier)
     split = StoreSplit.open(resolve(cfg.store_dir), float(cfg.eval.heldout_fraction), int(cfg.eval.heldout_seed))
+    split = split.with_train_fraction(float(cfg.train.get("train_fraction", 1.0)))
     check_store(split.reader, draft_cfg, verifier, aux_capture=str(cfg.draft.aux_capture))  # before any compute
     t = cfg.train
     rows_per_step = int(t.micro_batch) * int(t.grad_accum) * world_size
