@@ -76,7 +76,11 @@ VARIANTS = [
     Variant("before-head", "before", tuple(BEFORE), "the same recipe on today's code"),
     Variant("topk", "before-head", ("train.loss.target_topk=64",),
             "verifier top-64 computed once per micro-batch, bucket CE (speed)"),
-    Variant("fc_norm", "topk", ("draft.fc_norm=true",), "RMSNorm per aux state before fc"),
+    Variant("norms", "before-head", ("draft.fc_norm=true", "draft.norm_output=true", "draft.train_norm=true"),
+            "speculators' three: aux states normed before fc, normed hidden fed back, trainable final norm"),
+    Variant("norms-decay1", "norms", ("train.ttt.decay=1.0",), "TTT steps weighed equally"),
+    Variant("norms-lr3e-3", "norms", ("train.lr=3.0e-3",), "lr 3e-3"),
+    Variant("fc_norm", "before-head", ("draft.fc_norm=true",), "RMSNorm per aux state before fc"),
     Variant("norm_output", "fc_norm", ("draft.norm_output=true",), "normed hidden fed back between steps"),
     Variant("train_norm", "norm_output", ("draft.train_norm=true",), "trainable final norm"),
     Variant("norm_before_residual", "train_norm", ("draft.norm_before_residual=true",),
@@ -85,6 +89,8 @@ VARIANTS = [
     Variant("lr3e-3", "train_norm", ("train.lr=3.0e-3",), "lr 3e-3"),
     Variant("vocab4096", "train_norm", ("draft.draft_vocab_size=4096",), "draft vocabulary 4,096 of 8,192"),
     Variant("train_head", "train_norm", ("draft.train_head=true",), "trainable lm_head too"),
+    # What this checkout ships: conf/train.yaml and conf/draft as they are (no lever overrides).
+    Variant("after", None, (), "today's defaults (conf/train.yaml, conf/draft/kimi_tiny.yaml)"),
 ]
 BY_NAME = {v.name: v for v in VARIANTS}
 

@@ -227,6 +227,37 @@ def test_pruned_vocabulary_trains_against_the_restricted_target(
     assert obj.draft.fc.weight.grad is not None and obj.draft.fc.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("pruned", [False, True])
+def test_target_cache_gives_the_loss_stats_and_gradients_of_recomputing(
+        tiny_cfg: DraftConfig, draft_verifier_dir: Path, train_store: Path, pruned: bool) -> None:
+    """TargetCache (verifier probabilities computed once per micro-batch) == recomputed per step."""
+    from model.vocab import build_draft_vocab, count_tokens
+
+    reader = StoreReader(train_store)
+    samples = [reader.read_sample(ref, torch.float32) for ref in reader.samples()[:3]]
+    batch = collate_rows([pack_row([(s.input_ids, s.loss_mask, s.aux, s.final) for s in samples[:2]], 4096),
+                          pack_row([(samples[2].input_ids, samples[2].loss_mask, samples[2].aux, samples[2].final)], 4096)])
+    cfg, d2t = tiny_cfg, None
+    if pruned:
+        d2t, _ = build_draft_vocab(count_tokens(samples[0].input_ids, samples[0].loss_mask, tiny_cfg.vocab_size), 256)
+        cfg = dataclasses.replace(tiny_cfg, draft_vocab_size=256)
+    results = []
+    for cache_bytes in (0, 1 << 30):
+        obj = _objective(cfg, draft_verifier_dir, steps=4, chunk_bytes=1 << 20, d2t=d2t)
+        obj.cfg = dataclasses.replace(obj.cfg, target_cache_bytes=cache_bytes)
+        assert (obj._target_cache(batch, batch["final"], None if d2t is None else torch.arange(256) + d2t)
+                is None) == (cache_bytes == 0)
+        out = obj(batch)
+        out.loss.backward()
+        results.append((out, {n: p.grad for n, p in obj.named_parameters() if p.requires_grad}))
+    (a, ga), (b, gb) = results
+    assert a.stats.count[0] > 10 and a.stats.count.tolist() == b.stats.count.tolist()
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-6, atol=1e-6)
+    assert a.stats.correct.tolist() == b.stats.correct.tolist() and a.stats.chain.tolist() == b.stats.chain.tolist()
+    for name in ga:
+        torch.testing.assert_close(gb[name], ga[name], rtol=1e-5, atol=1e-7)
+
+
 # ---- accept length ----------------------------------------------------------------------------
 def test_simulated_accept_length() -> None:
     assert simulated_accept_length([1, 1, 1, 1]) == 5

@@ -60,7 +60,8 @@ class RunSetup:
 def _objective_config(cfg: DictConfig, steps: int | None = None) -> ObjectiveConfig:
     loss = cfg.train.loss
     return ObjectiveConfig(steps=int(steps or cfg.train.ttt.steps), decay=float(cfg.train.ttt.decay),
-                           chunk_bytes=int(loss.chunk_bytes), target_topk=loss.get("target_topk"))
+                           chunk_bytes=int(loss.chunk_bytes), target_topk=loss.get("target_topk"),
+                           target_cache_bytes=int(loss.get("target_cache_bytes", 0)))
 
 
 def _pruned_vocab(cfg: DraftConfig, split: StoreSplit, run_dir: Path, verifier: Path) -> torch.Tensor:

@@ -53,6 +53,11 @@ the verifier's [rows, V] logits 2K times per micro-batch (each step's forward, a
 backward); this evaluates them once and never again, at the price of knowing the target on its
 top-k only, the same approximation a top-k store makes.
 
+Target cache: the K steps read the same rows of F shifted by one, so when a micro-batch's
+[rows, Vd] fp32 target probabilities fit `target_cache_bytes`, they are computed once
+(TargetCache) and every step's forward and backward reads them; otherwise (Kimi's V = 163,840
+at 8k-token rows) the loss recomputes them per chunk as below. Same maths either way.
+
 Memory: logits exist only for `chunk` tokens at a time ([chunk, V] fp32 blocks of about
 `chunk_bytes`), in the forward and in the backward, which recomputes them (ChunkedSoftCE, and
 ChunkedTopKCE with [chunk, Vd] blocks only: no verifier logits).
@@ -77,6 +82,7 @@ class ObjectiveConfig:
     decay: float               # step k weighs decay**k
     chunk_bytes: int           # bytes of one [chunk, V] fp32 logits block
     target_topk: int | None = None   # train final-state batches on the verifier's top-k (module docstring)
+    target_cache_bytes: int = 0      # at most this many bytes of target probabilities kept per micro-batch
 
     def weights(self, steps: int | None = None) -> list[float]:
         return [self.decay ** k for k in range(steps or self.steps)]
@@ -190,6 +196,40 @@ class _Blocks:
             logits = torch.index_select(logits, 1, keep, out=self.kept[:logits.shape[0]])
         return softmax_(logits), top
 
+    def cached_probs(self, cache: TargetCache, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """target_probs read from a TargetCache: (p [c, Vd] in this block's own buffer, which the
+        loss overwrites, top-1 [c]) of the cache rows `rows` [c]."""
+        p = torch.index_select(cache.probs, 0, rows, out=self.target[:rows.shape[0], :cache.probs.shape[1]])
+        return p, cache.top[rows]
+
+
+class TargetCache(NamedTuple):
+    """The verifier's target on every row of a micro-batch some TTT step reads, computed once: the
+    K steps read the same rows shifted by one, so each row's [V] logits are computed once instead
+    of twice per step (forward, and the backward's recomputation)."""
+
+    probs: Tensor     # [R, Vd] fp32: p on the draft vocabulary (restricted and renormalised when pruned)
+    top: Tensor       # [R] the verifier's top-1 (target ids)
+    index: Tensor     # [B, T] int64: row r of sample position (b, t) in probs, -1 where no step reads it
+
+
+def build_target_cache(final: Tensor, read: Tensor, target_head: Tensor, keep: Tensor | None,
+                       draft_vocab: int, chunk: int) -> TargetCache:
+    """final [B, T, H], read [B, T] bool (rows some step reads) -> TargetCache, a chunk of rows at
+    a time through the same maths as the uncached loss (_Blocks.target_probs)."""
+    b, t = read.nonzero(as_tuple=True)
+    R = b.numel()
+    probs = torch.empty(R, draft_vocab, dtype=torch.float32, device=final.device)
+    top = torch.empty(R, dtype=torch.long, device=final.device)
+    index = torch.full(read.shape, -1, dtype=torch.long, device=final.device)
+    index[b, t] = torch.arange(R, device=final.device)
+    if R:
+        blocks = _Blocks(min(chunk, R), target_head.shape[0], draft_vocab, keep is not None, final.dtype, final.device)
+        for c in range(0, R, chunk):
+            p, top[c:c + chunk] = blocks.target_probs(final[b[c:c + chunk], t[c:c + chunk]], target_head, keep)
+            probs[c:c + chunk] = p
+    return TargetCache(probs, top, index)
+
 
 def softmax_(z: Tensor) -> Tensor:
     """Softmax over the last dim, in place (no temporary of z's size)."""
@@ -206,15 +246,16 @@ class ChunkedSoftCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, normed: Tensor, head: Tensor, target_hidden: Tensor, target_head: Tensor,
-                keep: Tensor | None, chunk: int) -> tuple[Tensor, Tensor]:
+    def forward(ctx, normed: Tensor, head: Tensor, target_hidden: Tensor | None, target_head: Tensor,
+                keep: Tensor | None, chunk: int, cache: TargetCache | None = None,
+                rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
         loss = torch.zeros((), dtype=torch.float64, device=normed.device)
         N = normed.shape[0]
         correct = torch.zeros(N, dtype=torch.bool, device=normed.device)
-        blocks = _Blocks(min(chunk, N), target_head.shape[0], head.shape[0], keep is not None,
-                         normed.dtype, normed.device) if N else None
+        blocks = _target_blocks(normed, head, target_head, keep, chunk, cache)
         for c in range(0, N, chunk):
-            p, top = blocks.target_probs(target_hidden[c:c + chunk], target_head, keep)
+            p, top = (blocks.cached_probs(cache, rows[c:c + chunk]) if cache is not None
+                      else blocks.target_probs(target_hidden[c:c + chunk], target_head, keep))
             z = blocks.logits(blocks.draft, normed[c:c + chunk], head)    # [c, Vd]
             pred = z.argmax(-1)
             correct[c:c + chunk] = (keep[pred] if keep is not None else pred) == top
@@ -223,27 +264,40 @@ class ChunkedSoftCE(torch.autograd.Function):
             m = z.amax(-1)
             lse = z.sub_(m[:, None]).exp_().sum(-1).log_().add_(m)
             loss += (lse - pz).sum().double()
-        ctx.save_for_backward(normed, head, target_hidden, target_head, keep)
-        ctx.chunk = chunk
+        ctx.save_for_backward(normed, head, target_hidden, target_head, keep, rows)
+        ctx.chunk, ctx.cache = chunk, cache
         ctx.mark_non_differentiable(correct)
         return loss, correct
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor, _: Tensor) -> tuple[Tensor | None, ...]:
-        normed, head, target_hidden, target_head, keep = ctx.saved_tensors
+        normed, head, target_hidden, target_head, keep, rows = ctx.saved_tensors
+        cache = ctx.cache
         want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         N, chunk = normed.shape[0], ctx.chunk
         grad_x = torch.empty_like(normed) if want_x else None
         grad_w = torch.zeros(head.shape, dtype=torch.float32, device=head.device) if want_w else None
-        blocks = _Blocks(min(chunk, N), target_head.shape[0], head.shape[0], keep is not None,
-                         normed.dtype, normed.device) if N else None
+        blocks = _target_blocks(normed, head, target_head, keep, chunk, cache)
         g = grad_loss.float()
         for c in range(0, N, chunk):
             x = normed[c:c + chunk]
-            p, _ = blocks.target_probs(target_hidden[c:c + chunk], target_head, keep, with_top=False)
+            p, _ = (blocks.cached_probs(cache, rows[c:c + chunk]) if cache is not None
+                    else blocks.target_probs(target_hidden[c:c + chunk], target_head, keep, with_top=False))
             dz = softmax_(blocks.logits(blocks.draft, x, head)).sub_(p).mul_(g)   # [c, Vd] d loss / d z
             _accumulate_grads(blocks, dz, x, head, grad_x[c:c + chunk] if want_x else None, grad_w)
-        return grad_x, None if grad_w is None else grad_w.to(head.dtype), None, None, None, None
+        return grad_x, None if grad_w is None else grad_w.to(head.dtype), None, None, None, None, None, None
+
+
+def _target_blocks(normed: Tensor, head: Tensor, target_head: Tensor, keep: Tensor | None, chunk: int,
+                   cache: TargetCache | None) -> _Blocks | None:
+    """The blocks of one ChunkedSoftCE pass: with a cache, p is copied into a [chunk, Vd] block
+    and no verifier logits are computed."""
+    N = normed.shape[0]
+    if not N:
+        return None
+    if cache is not None:
+        return _Blocks(min(chunk, N), head.shape[0], head.shape[0], False, normed.dtype, normed.device)
+    return _Blocks(min(chunk, N), target_head.shape[0], head.shape[0], keep is not None, normed.dtype, normed.device)
 
 
 def _accumulate_grads(blocks: _Blocks, dz: Tensor, x: Tensor, head: Tensor, grad_x: Tensor | None,
@@ -261,15 +315,17 @@ def _accumulate_grads(blocks: _Blocks, dz: Tensor, x: Tensor, head: Tensor, grad
             grad_w += (dz.T @ x).float()
 
 
-def soft_cross_entropy(normed: Tensor, head: Tensor, target_hidden: Tensor, target_head: Tensor,
-                       keep: Tensor | None, chunk: int) -> tuple[Tensor, Tensor]:
+def soft_cross_entropy(normed: Tensor, head: Tensor, target_hidden: Tensor | None, target_head: Tensor,
+                       keep: Tensor | None, chunk: int, cache: TargetCache | None = None,
+                       rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(sum of soft cross-entropies, [N] bool: draft top-1 == verifier top-1) over N rows.
 
     normed [N, H]: the draft's norm output; head [Vd, H]: draft lm_head; target_hidden [N, H]:
     the verifier's final hidden states; target_head [V, H]: its lm_head; keep [Vd]: target id
-    of each draft id (pruned vocabulary) or None.
+    of each draft id (pruned vocabulary) or None. With a TargetCache, rows [N] (its row of each
+    of the N) replace target_hidden, and no verifier logits are computed.
     """
-    return ChunkedSoftCE.apply(normed, head, target_hidden, target_head, keep, chunk)
+    return ChunkedSoftCE.apply(normed, head, target_hidden, target_head, keep, chunk, cache, rows)
 
 
 # ---- chunked top-k (bucket) cross-entropy ---------------------------------------------------
@@ -417,6 +473,17 @@ class Eagle3Objective(nn.Module):
                 if buffer is not None and buffer.is_floating_point():
                     module._buffers[name] = buffer.to(dtype)
 
+    def _target_cache(self, batch: dict[str, Tensor], final: Tensor, keep: Tensor | None) -> TargetCache | None:
+        """The micro-batch's TargetCache when its [rows, Vd] fp32 fit target_cache_bytes, else None
+        (the loss then recomputes the verifier's logits per step, in [chunk, V] blocks)."""
+        seg = batch["segment_ids"]
+        read = shift_in_sample(batch["loss_mask"], seg, 1, False) & (seg >= 0)    # row r: token r+1 counted
+        draft_vocab = self.draft.lm_head.weight.shape[0]
+        if int(read.sum()) * draft_vocab * 4 > self.cfg.target_cache_bytes:
+            return None
+        with torch.no_grad():
+            return build_target_cache(final, read, self.target_head, keep, draft_vocab, self.chunk)
+
     def forward(self, batch: dict[str, Tensor], steps: int | None = None) -> ObjectiveOutput:
         steps = steps or self.cfg.steps
         draft = self.draft
@@ -431,6 +498,7 @@ class Eagle3Objective(nn.Module):
             raise ValueError("a batch with final states needs the verifier's lm_head: this objective "
                              "was built without one (for a store of top-k targets)")
         final = None if topk else batch["final"].to(dtype)                  # [B, T, H]
+        cache = None if topk else self._target_cache(batch, final, keep)
         device = batch["input_ids"].device
         loss = torch.zeros((), dtype=torch.float32, device=device)
         sums, correct, counts, chain = [], [], [], []
@@ -441,6 +509,10 @@ class Eagle3Objective(nn.Module):
                 loss_sum, agree = topk_cross_entropy(out.normed[b, t], draft.lm_head.weight,
                                                      batch["target_ids"][b, t + 1 + k],
                                                      batch["target_logprobs"][b, t + 1 + k], keep, self.chunk)
+            elif cache is not None:                                         # rows t+1+k from the cache
+                loss_sum, agree = soft_cross_entropy(out.normed[b, t], draft.lm_head.weight, None,
+                                                     self.target_head, keep, self.chunk, cache,
+                                                     cache.index[b, t + 1 + k])
             else:
                 loss_sum, agree = soft_cross_entropy(out.normed[b, t], draft.lm_head.weight,
                                                      final[b, t + 1 + k], self.target_head, keep, self.chunk)
