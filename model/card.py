@@ -50,6 +50,10 @@ def _norm_switches(config: dict[str, Any]) -> list[str]:
              if config.get("norm_before_residual") else [])
     parts += (["the next draft step reads the final-normed state (`norm_output`)"]
               if config.get("norm_output") else [])
+    if any(config.get(flag) for flag in ("fc_norm", "norm_before_residual", "norm_output")):
+        parts.append("vLLM reads `fc_norm`, `norm_before_residual` and `norm_output` from config.json (tested "
+                     "against this project's draft); whether SGLang and TokenSpeed read them has not been checked, "
+                     "so verify their accept length before serving this folder there")
     text = "; ".join(parts)
     return [f"- {text[0].upper()}{text[1:]}."] if parts else []
 
