@@ -94,3 +94,12 @@ def fault_points() -> int:
     import os
 
     return int(os.environ.get("FAULTS_N", "3"))
+
+
+def plain_layer(cfg):
+    """A DraftConfig with vLLM's optional switches and the trainable final norm off: the plain
+    EAGLE-3 layer, for tests of contracts that predate the switches (tests/test_draft_flags.py
+    covers them; conf/draft/kimi_tiny.yaml turns them on)."""
+    import dataclasses
+
+    return dataclasses.replace(cfg, fc_norm=False, norm_before_residual=False, norm_output=False, train_norm=False)

@@ -28,13 +28,14 @@ from model.checkpoint import (
     vllm_capture,
     vllm_to_sglang_aux_ids,
 )
+from tests.conftest import plain_layer
 from model.draft import DraftConfig, Eagle3Draft, build_draft, compose_draft_conf
 from model.vocab import build_draft_vocab
 
 
 @pytest.fixture(scope="module")
 def tiny_cfg(draft_verifier_dir: Path) -> DraftConfig:
-    return DraftConfig.from_conf(compose_draft_conf("kimi_tiny"), draft_verifier_dir)
+    return plain_layer(DraftConfig.from_conf(compose_draft_conf("kimi_tiny"), draft_verifier_dir))
 
 
 def _draft(cfg: DraftConfig, draft_vocab_size: int | None = None, q_lora_rank: int | None | str = "keep") -> Eagle3Draft:

@@ -14,6 +14,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from infra import REPO_ROOT
+from tests.conftest import plain_layer
 from model.draft import DraftConfig, compose_draft_conf
 from train.batches import collate_rows, pack_row
 from train.objective import Eagle3Objective, ObjectiveConfig, soft_cross_entropy
@@ -27,7 +28,7 @@ BF16_LOSS_RTOL = 0.01
 
 @pytest.fixture(scope="module")
 def tiny_cfg() -> DraftConfig:
-    return DraftConfig.from_conf(compose_draft_conf("kimi_tiny"))
+    return plain_layer(DraftConfig.from_conf(compose_draft_conf("kimi_tiny")))
 
 
 def _objective(cfg: DraftConfig, steps: int = 4, chunk_bytes: int = 1 << 20) -> Eagle3Objective:

@@ -16,6 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from infra import compose_config
+from tests.conftest import plain_layer
 from model.draft import DraftConfig, compose_draft_conf
 from train.objective import Eagle3Objective, ObjectiveConfig
 from train.plan import (PlanSpec, StepMemory, main, measure_step, memory_plan, meta_batch, meta_objective,
@@ -40,7 +41,7 @@ def one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def tiny_cfg() -> DraftConfig:
-    return DraftConfig.from_conf(compose_draft_conf("kimi_tiny"))
+    return plain_layer(DraftConfig.from_conf(compose_draft_conf("kimi_tiny")))
 
 
 @pytest.fixture(scope="module")

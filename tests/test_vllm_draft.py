@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 
 from evaluation.speculative import speculative_engine
 from model.checkpoint import draft_config_json, engine_captures, export_draft, load_draft
+from tests.conftest import plain_layer
 from model.draft import DraftConfig, Eagle3Draft, build_draft, compose_draft_conf
 from model.vocab import build_draft_vocab, count_tokens
 
@@ -154,7 +155,7 @@ def make_test_draft(cfg: DraftConfig, verifier_dir: Path, d2t: torch.Tensor | No
 
 @pytest.fixture(scope="module")
 def tiny_cfg(draft_verifier_dir: Path) -> DraftConfig:
-    return DraftConfig.from_conf(compose_draft_conf("kimi_tiny"), draft_verifier_dir)
+    return plain_layer(DraftConfig.from_conf(compose_draft_conf("kimi_tiny"), draft_verifier_dir))
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,7 @@
-"""The training objective: TTT unrolled over K steps, chunked soft cross-entropy, per-step metrics.
+"""The training objective: TTT unrolled over K steps, chunked soft cross-entropy, per-step metrics;
+over 500 lines because its two chunked losses (dense soft CE and top-k bucket CE)
+share their block maths (_Blocks, _accumulate_grads) and the TTT alignment; split, each half would
+import the other's internals.
 
 Alignment, for one sample x[0..T-1] with loss mask l, aux states A and
 the verifier's final hidden states F (softmax(lm_head(F_t)) = p(x_{t+1} | x<=t)):
@@ -476,6 +479,8 @@ class Eagle3Objective(nn.Module):
     def _target_cache(self, batch: dict[str, Tensor], final: Tensor, keep: Tensor | None) -> TargetCache | None:
         """The micro-batch's TargetCache when its [rows, Vd] fp32 fit target_cache_bytes, else None
         (the loss then recomputes the verifier's logits per step, in [chunk, V] blocks)."""
+        if final.is_meta:                       # train/plan.py: the uncached loss is the bound
+            return None
         seg = batch["segment_ids"]
         read = shift_in_sample(batch["loss_mask"], seg, 1, False) & (seg >= 0)    # row r: token r+1 counted
         draft_vocab = self.draft.lm_head.weight.shape[0]
