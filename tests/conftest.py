@@ -103,3 +103,17 @@ def plain_layer(cfg):
     import dataclasses
 
     return dataclasses.replace(cfg, fc_norm=False, norm_before_residual=False, norm_output=False, train_norm=False)
+
+
+def assert_same_objective_runs(results, loss_tol: float, grad_rtol: float, grad_atol: float) -> None:
+    """Two (ObjectiveOutput, {name: grad}) of the same batch and draft that must train alike: same
+    counted positions (and enough of them), loss within loss_tol, same top-1 agreement and chains,
+    gradients within grad_rtol / grad_atol."""
+    import torch
+
+    (a, ga), (b, gb) = results
+    assert a.stats.count[0] > 10 and a.stats.count.tolist() == b.stats.count.tolist()
+    torch.testing.assert_close(b.loss, a.loss, rtol=loss_tol, atol=loss_tol)
+    assert a.stats.correct.tolist() == b.stats.correct.tolist() and a.stats.chain.tolist() == b.stats.chain.tolist()
+    for name in ga:
+        torch.testing.assert_close(gb[name], ga[name], rtol=grad_rtol, atol=grad_atol)

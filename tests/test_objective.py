@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import train.objective as objective_module
+from tests.conftest import assert_same_objective_runs
 from model.draft import DraftConfig, build_draft, compose_draft_conf
 from model.verifier_weights import read_verifier_head
 from store import StoreReader
@@ -250,12 +251,7 @@ def test_target_cache_gives_the_loss_stats_and_gradients_of_recomputing(
         out = obj(batch)
         out.loss.backward()
         results.append((out, {n: p.grad for n, p in obj.named_parameters() if p.requires_grad}))
-    (a, ga), (b, gb) = results
-    assert a.stats.count[0] > 10 and a.stats.count.tolist() == b.stats.count.tolist()
-    torch.testing.assert_close(b.loss, a.loss, rtol=1e-6, atol=1e-6)
-    assert a.stats.correct.tolist() == b.stats.correct.tolist() and a.stats.chain.tolist() == b.stats.chain.tolist()
-    for name in ga:
-        torch.testing.assert_close(gb[name], ga[name], rtol=1e-5, atol=1e-7)
+    assert_same_objective_runs(results, loss_tol=1e-6, grad_rtol=1e-5, grad_atol=1e-7)
 
 
 # ---- accept length ----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 import train.objective as objective_module
+from tests.conftest import assert_same_objective_runs
 from model.draft import DraftConfig, build_draft, compose_draft_conf
 from model.vocab import target_ids_of
 from train.batches import collate_rows, pack_row, row_sample
@@ -380,12 +381,7 @@ def test_topk_targets_from_final_states_with_every_id_equal_the_dense_objective(
         out = obj(batch)
         out.loss.backward()
         results.append((out, {n: p.grad for n, p in obj.named_parameters() if p.requires_grad}))
-    (a, ga), (b, gb) = results
-    assert a.stats.count[0] > 10 and a.stats.count.tolist() == b.stats.count.tolist()
-    torch.testing.assert_close(b.loss, a.loss, rtol=1e-5, atol=1e-5)
-    assert a.stats.correct.tolist() == b.stats.correct.tolist()
-    for name in ga:
-        torch.testing.assert_close(gb[name], ga[name], rtol=1e-3, atol=1e-6)
+    assert_same_objective_runs(results, loss_tol=1e-5, grad_rtol=1e-3, grad_atol=1e-6)
 
 
 def test_topk_targets_are_the_verifier_topk_on_the_rows_a_step_reads(tiny_cfg: DraftConfig,
