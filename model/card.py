@@ -10,8 +10,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from model.checkpoint import (AUX_KEY, CONFIG_FILE, DEEPSEEK_V3, EAGLE_CONFIG, ENGINE_VERSIONS, TARGET_KEY,
-                              aux_ids_from_json, engine_captures, tokenspeed_flag_ids, vllm_to_sglang_aux_ids)
+from model.checkpoint import (AUX_KEY, CONFIG_FILE, DEEPSEEK_V3, EAGLE_CONFIG, EMBED, ENGINE_VERSIONS, TARGET_KEY,
+                              engine_captures, engine_load_problems, read_folder_config, stored_names,
+                              tokenspeed_flag_ids, vllm_to_sglang_aux_ids)
 
 CARD = "README.md"
 SUMMARY = "summary.json"   # a training run's summary, in the run folder that holds <run>/draft
@@ -23,7 +24,7 @@ def run_summary(draft_dir: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def _architecture(config: dict[str, Any], aux: list[int]) -> list[str]:
+def _architecture(config: dict[str, Any], aux: list[int], names: list[str]) -> list[str]:
     q = "q_proj" if config.get("q_lora_rank") is None else f"q_lora_rank {config['q_lora_rank']}"
     vocab = config["draft_vocab_size"]
     pruned = vocab != config["vocab_size"]
@@ -40,7 +41,8 @@ def _architecture(config: dict[str, Any], aux: list[int]) -> list[str]:
         *_norm_switches(config),
         f"- lm_head over {vocab} tokens" + (f" (pruned from {config['vocab_size']}; `d2t` maps draft ids to "
                                             "target ids)" if pruned else " (the verifier's full vocabulary)")
-        + "; the embedding is the verifier's (not stored).",
+        + ("; the embedding is a copy of the verifier's (`embed_tokens.weight`: TokenSpeed cannot share a Kimi-K3 "
+           "verifier's TP-sharded one)." if EMBED in names else "; the embedding is the verifier's (not stored)."),
     ]
 
 
@@ -52,14 +54,18 @@ def _norm_switches(config: dict[str, Any]) -> list[str]:
               if config.get("norm_output") else [])
     if any(config.get(flag) for flag in ("fc_norm", "norm_before_residual", "norm_output")):
         parts.append("vLLM reads `fc_norm`, `norm_before_residual` and `norm_output` from config.json (tested "
-                     "against this project's draft); whether SGLang and TokenSpeed read them has not been checked, "
-                     "so verify their accept length before serving this folder there")
+                     "against this project's draft); SGLang and TokenSpeed read `fc_norm` and `norm_output` (read in "
+                     "their sources, not run)"
+                     + (", not `norm_before_residual`: only vLLM serves this folder as trained"
+                        if config.get("norm_before_residual") else ""))
     text = "; ".join(parts)
     return [f"- {text[0].upper()}{text[1:]}."] if parts else []
 
 
-def _aux_lines(config: dict[str, Any], aux: list[int], captures: dict[str, tuple[int, ...] | None]) -> list[str]:
-    """Which key each engine reads and the layers it then captures (model/checkpoint.py's rules)."""
+def _aux_lines(config: dict[str, Any], aux: list[int], captures: dict[str, tuple[int, ...] | None],
+               loads: dict[str, list[str]]) -> list[str]:
+    """Which key each engine reads, the layers it then captures, and what its loader lacks
+    (model/checkpoint.py's rules)."""
     target = config.get(TARGET_KEY) or DEEPSEEK_V3
     sglang = (f"; SGLang numbers the same layers by their output: "
               f"{vllm_to_sglang_aux_ids(aux, int(config.get('target_num_hidden_layers') or max(aux)))}"
@@ -74,6 +80,8 @@ def _aux_lines(config: dict[str, Any], aux: list[int], captures: dict[str, tuple
         f"captures from this folder: {captured}.",
     ]
     for engine, got in captures.items():
+        for problem in loads.get(engine, []) if got is not None else []:
+            lines.append(f"{ENGINE_VERSIONS[engine]} {problem}.")
         if got is None:
             lines.append(f"{ENGINE_VERSIONS[engine]} has no EAGLE-3 capture for `{target}` verifiers: it cannot serve "
                          "this draft.")
@@ -84,11 +92,12 @@ def _aux_lines(config: dict[str, Any], aux: list[int], captures: dict[str, tuple
     return lines
 
 
-def _launch(verifier: str, draft: str, config: dict[str, Any], aux: list[int], tp: int, pp: int) -> list[str]:
+def _launch(verifier: str, draft: str, config: dict[str, Any], aux: list[int], tp: int, pp: int,
+            loads: dict[str, list[str]]) -> list[str]:
     num_layers = int(config.get("target_num_hidden_layers") or max(aux))
     target = config.get(TARGET_KEY) or DEEPSEEK_V3
     captures = engine_captures(config, num_layers)
-    lines = [*_aux_lines(config, aux, captures), "", "vLLM:", "```bash",
+    lines = [*_aux_lines(config, aux, captures, loads), "", "vLLM:", "```bash",
              f"vllm serve {verifier} --tensor-parallel-size {tp}"
              + (f" --pipeline-parallel-size {pp}" if pp > 1 else "") + " \\",
              f"  --speculative-config '{{\"method\": \"eagle3\", \"model\": \"{draft}\", \"num_speculative_tokens\": 3}}'",
@@ -136,7 +145,9 @@ def write_card(draft_dir: Path, verifier_name: str, verifier_path: str, tp: int,
     """(Re)write <draft_dir>/README.md; `table`: the markdown accept-length table from `make eval`."""
     draft_dir = Path(draft_dir)
     config = json.loads((draft_dir / CONFIG_FILE).read_text())
-    aux = aux_ids_from_json(config, draft_dir / CONFIG_FILE)
+    cfg, names = read_folder_config(draft_dir), stored_names(draft_dir)
+    aux = list(cfg.aux_layer_ids)
+    loads = engine_load_problems(config, names, cfg)
     lines = [
         f"# EAGLE-3 MLA draft for {verifier_name}",
         "",
@@ -144,7 +155,7 @@ def write_card(draft_dir: Path, verifier_name: str, verifier_path: str, tp: int,
         "offline pipeline (`make dump`, `make train`). Load it with the verifier; it is useless alone.",
         "",
         "## Architecture",
-        *_architecture(config, aux),
+        *_architecture(config, aux, names),
         "",
         "## Training",
         *_training(summary),
@@ -153,7 +164,7 @@ def write_card(draft_dir: Path, verifier_name: str, verifier_path: str, tp: int,
         table if table else "Not measured yet: run `make eval DRAFT=<this folder>`.",
         "",
         "## Launch",
-        *_launch(verifier_path, str(draft_dir), config, aux, tp, pp),
+        *_launch(verifier_path, str(draft_dir), config, aux, tp, pp, loads),
         "",
     ]
     path = draft_dir / CARD

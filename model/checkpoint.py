@@ -17,8 +17,13 @@ vllm/model_executor/models/deepseek_eagle3.py (vLLM 0.32) like this:
 - Weights without a "model." prefix: fc, fc_norm.{i} (with fc_norm), midlayer.*, norm, lm_head
   (vLLM's loader prefixes and renames them; "layers.0.*", TorchSpec's name for midlayer, is
   read too); d2t only with a pruned vocabulary (vLLM scatters logits to i + d2t[i]); t2d with
-  it (vLLM skips t2d, it documents the vocabulary for other readers); no embed_tokens (the
-  engines share the target's).
+  it (vLLM skips t2d, it documents the vocabulary for other readers); embed_tokens.weight only
+  for Kimi-K3 targets (TokenSpeed cannot share K3's TP-sharded embedding; the other engines
+  share the target's). `vllm_loads`, `sglang_loads` and `tokenspeed_loads` below state what
+  each engine's loader needs, with the source it comes from.
+- The switches: vLLM reads all three; SGLang and TokenSpeed read fc_norm and norm_output but
+  not norm_before_residual, so a folder with it on is served right by vLLM only (the exporter
+  and the card say so).
 
 Aux layers. The draft is trained on the hidden states entering layers `aux_layer_ids` (vLLM's
 convention). Each engine finds its ids in config.json by its own rule, and the same key means
@@ -35,22 +40,31 @@ different layers to different engines and targets; `vllm_capture`, `sglang_captu
 - `target_model_type` (the verifier's model_type) records which target that value was made
   for; no engine reads it.
 
+Import (`aux_ids_from_json`, `draft_config_from_json`) reads folders other tools published:
+TorchSpec's vLLM export (tools/convert_to_hf.py --vllm: `layers.0.*` names, eagle_config ids
+already raised by 1 for model_type kimi_k2, no top-level key) as vLLM ids, other
+eagle_config-only folders by SGLang's rule (a first id of 1 means layer outputs), and a missing
+max_position_embeddings as vLLM reads it. `train.init_from` takes the folder's switches where
+the draft conf leaves them null (`init_switches`).
+
 Aux-layer id conventions are converted in model/aux_ids.py only; this module applies each
 engine's reading rule to them.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from model.aux_ids import sglang_to_vllm_aux_ids, to_vllm_aux_ids, vllm_to_sglang_aux_ids
+from model.aux_ids import sglang_to_vllm_aux_ids, to_vllm_aux_ids, vllm_to_sglang_aux_ids  # noqa: F401 (re-exported)
 from model.draft import ARCHITECTURE_FLAGS, DraftConfig, Eagle3Draft, architecture_flags, layer_shapes
 from model.vocab import t2d_from_d2t
 
@@ -63,6 +77,12 @@ WEIGHTS_FILE = "model.safetensors"
 AUX_KEY = "eagle_aux_hidden_state_layer_ids"
 EAGLE_CONFIG = "eagle_config"
 TARGET_KEY = "target_model_type"
+EMBED = "embed_tokens.weight"
+LAYER = "midlayer."             # the draft layer's tensors, as this project and vLLM's mapper name them
+TORCHSPEC_LAYER = "layers.0."   # ... as TorchSpec's vLLM export and the engines' modules name them
+# vLLM parses these model_types with another config class (vllm/transformers_utils/config.py,
+# _CONFIG_REGISTRY: kimi_k2 -> DeepseekV3Config).
+_VLLM_CONFIG_TYPE = {"kimi_k2": "deepseek_v3"}
 
 # Target families whose engines read the aux ids differently (the verifier's model_type).
 DEEPSEEK_V3 = "deepseek_v3"     # Kimi-K2, the Kimi-K2.5 text tower, kimi-tiny
@@ -138,8 +158,15 @@ def sglang_capture(config: dict[str, Any], target: str, num_layers: int) -> Capt
     ids = _eagle_config_ids(config)
     if ids is None:
         return _default_ids(num_layers)
-    shifted = [i + 1 for i in ids] if ids and ids[0] == 1 else list(ids)
-    return _layer_order(shifted, 0, num_layers - 1)
+    return _layer_order(sglang_entering_ids(ids), 0, num_layers - 1)
+
+
+def sglang_entering_ids(ids: Sequence[int]) -> list[int]:
+    """SGLang's reading of eagle_config ids on DeepSeek-V3 targets (sgl-project/sglang PR #25454,
+    python/sglang/srt/models/deepseek_v2.py, DeepseekV2ForCausalLM.set_eagle3_layers_to_capture):
+    a list starting at 1 names layer outputs (SGLang ids: + 1), any other list names the layers
+    the states enter (vLLM ids, as they are)."""
+    return [i + 1 for i in ids] if ids and ids[0] == 1 else list(ids)
 
 
 def _tokenspeed_config_ids(config: dict[str, Any]) -> list[int] | None:
@@ -168,6 +195,11 @@ def tokenspeed_capture(config: dict[str, Any], target: str, num_layers: int) -> 
     (1688-1695: None -> {2, N//2, N-3}; else {id + 1}), captured entering layer i (1592-1593);
     python/tokenspeed/runtime/models/kimi_k3.py, KimiLinearForCausalLM.set_eagle3_layers_to_capture (2580-2599:
     unchanged; refused unless unique, ascending and in 1..N), captured after layer id - 1 (2555).
+    Kimi-K2.5 delegates to its language model (runtime/models/kimi_k25.py,
+    KimiK25ForConditionalGeneration.set_eagle3_layers_to_capture, 276-283), so it adds 1 too:
+    TorchSpec's published K2.x folders (eagle_config [2, 30, 58], vLLM ids) are captured one
+    layer late there unless --eagle3-layers-to-capture (tokenspeed_flag_ids) is passed. Re-read
+    at f4d8ec6e: unlike SGLang since PR #25454, TokenSpeed does not look at the first id.
     """
     _check_target(target)
     ids = _tokenspeed_config_ids(config)
@@ -197,20 +229,21 @@ ENGINE_RULES: dict[str, Callable[[dict[str, Any], str, int], Capture]] = {
 }
 
 
-def engine_captures(config: dict[str, Any], num_layers: int | None = None) -> dict[str, Capture]:
-    """What each engine captures for this config.json, on the target it names (DeepSeek-V3 when
-    it names none). num_layers: for configs without target_num_hidden_layers."""
-    target = config.get(TARGET_KEY) or DEEPSEEK_V3
+def engine_captures(config: dict[str, Any], num_layers: int | None = None,
+                    target: str | None = None) -> dict[str, Capture]:
+    """What each engine captures for this config.json, on `target` (default: the target it
+    names, DeepSeek-V3 when it names none). num_layers: for configs without target_num_hidden_layers."""
+    target = target or config.get(TARGET_KEY) or DEEPSEEK_V3
     layers = int(config.get("target_num_hidden_layers") or num_layers or 0)
     if layers <= 0:
         raise ValueError("the target's layer count is unknown (no target_num_hidden_layers)")
     return {engine: rule(config, target, layers) for engine, rule in ENGINE_RULES.items()}
 
 
-def misreading_engines(config: dict[str, Any], trained: Sequence[int],
-                       num_layers: int | None = None) -> dict[str, tuple[int, ...]]:
-    """Engines that serve the config's target but would not feed the draft its trained layers."""
-    return {engine: got for engine, got in engine_captures(config, num_layers).items()
+def misreading_engines(config: dict[str, Any], trained: Sequence[int], num_layers: int | None = None,
+                       target: str | None = None) -> dict[str, tuple[int, ...]]:
+    """Engines that serve the (config's) target but would not feed the draft its trained layers."""
+    return {engine: got for engine, got in engine_captures(config, num_layers, target).items()
             if got is not None and got != tuple(trained)}
 
 
@@ -290,35 +323,78 @@ def draft_config_json(cfg: DraftConfig, dtype: torch.dtype = torch.bfloat16) -> 
     return config
 
 
-def aux_ids_from_json(d: dict[str, Any], source: str | Path = CONFIG_FILE) -> list[int]:
+def is_torchspec_vllm_export(d: dict[str, Any], tensor_names: Iterable[str]) -> bool:
+    """A folder written by TorchSpec's tools/convert_to_hf.py --vllm for a Kimi draft (the
+    lightseekorg kimi-k2.5 / k2.6 / k3 eagle3 MLA folders): `_remap_weight_keys` renames
+    midlayer.* to layers.0.*, and `_fixup_export_config` adds 1 to eagle_config's ids when
+    model_type is kimi_k2, so those ids are vLLM's (TorchSpec's templates, e.g.
+    configs/draft_models/kimi_k25_eagle3_mla.json, hold SGLang ids: [1, 29, 57] -> [2, 30, 58])."""
+    return d.get("model_type") == "kimi_k2" and any(n.startswith(TORCHSPEC_LAYER) for n in tensor_names)
+
+
+def _nested_as_vllm(d: dict[str, Any], nested: list[int], tensor_names: Iterable[str]) -> list[int]:
+    """eagle_config's ids of a folder with no top-level key, as vLLM ids."""
+    if is_torchspec_vllm_export(d, tensor_names):
+        return list(nested)
+    # TorchSpec's own and SpecForge/SGLang folders: what SGLang, the engine they were made for,
+    # captures from them (SGLang ids start at 1 in every published template).
+    return sglang_entering_ids(nested)
+
+
+def _rule_layers(d: dict[str, Any], aux: Sequence[int]) -> int:
+    """The target's layer count for the engines' rules: stated, else the fewest layers in which
+    every engine's layer walk meets every id (SGLang and TokenSpeed capture entering layers 0..N-1)."""
+    return int(d.get("target_num_hidden_layers") or max(aux) + 1)
+
+
+def aux_ids_from_json(d: dict[str, Any], source: str | Path = CONFIG_FILE,
+                      tensor_names: Iterable[str] = ()) -> list[int]:
     """The draft's aux ids (vLLM convention) from a config.json written by any tool.
 
-    Top-level ids are vLLM's and win. A folder with only eagle_config's (TorchSpec, SpecForge,
-    SGLang drafts) holds SGLang ids. With both, some engine's rule must read eagle_config's as
-    the same layers (equal, or one below), else the folder is refused; engines that would
-    misread the folder are logged.
+    Top-level ids are vLLM's and win. A folder with only eagle_config's is read by
+    `_nested_as_vllm` (`tensor_names`, the names in its model.safetensors, tell TorchSpec's vLLM
+    export apart). With both, some engine's rule must read eagle_config's as the same layers
+    (equal, or one below), else the folder is refused. Engines that would misread the folder, on
+    its target or (when it names none) on either, are logged.
     """
     top, nested = d.get(AUX_KEY), _eagle_config_ids(d)
     if not top and not nested:
         raise ValueError(f"{source} names no {AUX_KEY}")
     if top:
-        aux, num_layers = list(top), int(d.get("target_num_hidden_layers") or max(top))
-        if nested and not _reconciled(d, aux, num_layers):
+        aux = list(top)
+        if nested and not _reconciled(d, aux, _rule_layers(d, aux)):
             raise ValueError(f"{source}: {AUX_KEY} {aux} and {EAGLE_CONFIG}.{AUX_KEY} {list(nested)} name "
                              "different layers under every engine's rule (eagle_config must hold the same ids, "
                              "or each one below: SGLang's numbering)")
     else:
-        num_layers = int(d.get("target_num_hidden_layers") or max(nested) + 1)
-        aux = sglang_to_vllm_aux_ids(nested, num_layers)
-    for engine, got in misreading_engines(d, aux, num_layers).items():
-        logger.warning("%s: %s would feed the draft the layers entering %s, not the %s it was trained on",
-                       source, engine, list(got), aux)
+        aux = _nested_as_vllm(d, list(nested), list(tensor_names))
+    num_layers = _rule_layers(d, aux)
+    to_vllm_aux_ids(aux, "vllm", num_layers)          # refuses ids outside the target
+    for target in ([d[TARGET_KEY]] if d.get(TARGET_KEY) else TARGETS):
+        for engine, got in misreading_engines(d, aux, num_layers, target).items():
+            logger.warning("%s: %s would feed the draft the layers entering %s, not the %s it was trained on "
+                           "(on a %s target)", source, engine, list(got), aux, target)
     return aux
 
 
-def draft_config_from_json(d: dict[str, Any], source: str | Path = CONFIG_FILE) -> DraftConfig:
+def vllm_max_positions(d: dict[str, Any]) -> int:
+    """max_position_embeddings as vLLM 0.32 reads it: the folder's, else the default of the
+    transformers config class it parses the folder with (vllm/transformers_utils/config.py,
+    _CONFIG_REGISTRY: kimi_k2 -> DeepseekV3Config; others by model_type). TorchSpec's
+    configs/draft_models/kimi_k25_eagle3_mla.json has none (DeepseekV3Config: 4096)."""
+    if d.get("max_position_embeddings") is not None:
+        return int(d["max_position_embeddings"])
+    from transformers import AutoConfig
+
+    model_type = _VLLM_CONFIG_TYPE.get(d.get("model_type", MODEL_TYPE), d.get("model_type", MODEL_TYPE))
+    return int(AutoConfig.for_model(model_type).max_position_embeddings)
+
+
+def draft_config_from_json(d: dict[str, Any], source: str | Path = CONFIG_FILE,
+                           tensor_names: Iterable[str] = ()) -> DraftConfig:
     """Inverse of `draft_config_json`; also reads drafts other tools wrote (legacy rope keys,
-    aux ids only in eagle_config). `source` names the file in errors and warnings."""
+    aux ids only in eagle_config, no max_position_embeddings). `source` names the file in
+    errors and warnings; `tensor_names` are the names in the folder's model.safetensors."""
     if d.get("architectures") != [ARCHITECTURE]:
         raise ValueError(f"{source}: not an {ARCHITECTURE} checkpoint: {d.get('architectures')}")
     rope_parameters = d.get("rope_parameters")
@@ -327,9 +403,9 @@ def draft_config_from_json(d: dict[str, Any], source: str | Path = CONFIG_FILE) 
         rope_type = legacy.pop("rope_type", None) or legacy.get("type") or "default"
         legacy.pop("type", None)
         rope_parameters = {"rope_type": rope_type, **legacy, "rope_theta": d["rope_theta"]}
-    aux = aux_ids_from_json(d, source)
+    aux = aux_ids_from_json(d, source, tensor_names)
     return DraftConfig(
-        **layer_shapes(d),
+        **layer_shapes({**d, "max_position_embeddings": vllm_max_positions(d)}),
         rope_parameters=dict(rope_parameters),
         rope_interleave=d.get("rope_interleave", True),   # vLLM's MLA always rotates interleaved
         vocab_size=d["vocab_size"],
@@ -337,7 +413,7 @@ def draft_config_from_json(d: dict[str, Any], source: str | Path = CONFIG_FILE) 
         target_hidden_size=d.get("target_hidden_size", d["hidden_size"]),
         # Unknown for third-party drafts: the smallest layer count the ids allow.
         target_num_hidden_layers=d.get("target_num_hidden_layers", max(aux)),
-        # Third-party drafts do not say; their eagle_config ids were read above by SGLang's rule.
+        # Third-party drafts do not say (TorchSpec writes model_type kimi_k2 for K2.x and K3 alike).
         target_model_type=d.get(TARGET_KEY, DEEPSEEK_V3),
         aux_layer_ids=tuple(aux),
         bos_token_id=d.get("bos_token_id"),
@@ -346,44 +422,169 @@ def draft_config_from_json(d: dict[str, Any], source: str | Path = CONFIG_FILE) 
     )
 
 
+# ---- what each engine's loader needs from model.safetensors --------------------------------
+# rule(config.json, tensor names as stored, the draft config read from it) -> what goes wrong
+# when that engine loads the folder ([]: it loads and computes the draft as trained).
+LoadRule = Callable[[dict[str, Any], set[str], DraftConfig], list[str]]
+
+
+def our_name(name: str) -> str:
+    """A tensor name as this project names it: TorchSpec's layers.0.* is midlayer.* (every
+    engine's loader maps one to the other)."""
+    return LAYER + name[len(TORCHSPEC_LAYER):] if name.startswith(TORCHSPEC_LAYER) else name
+
+
+def our_names(names: Iterable[str]) -> set[str]:
+    """`our_name` of each name."""
+    return {our_name(n) for n in names}
+
+
+def needs_embedding(target: str) -> bool:
+    """Must the folder carry embed_tokens.weight? Yes for Kimi-K3 targets: TokenSpeed cannot share
+    K3's embedding (see tokenspeed_loads); every other engine and target shares the target's."""
+    return target == KIMI_K3
+
+
+def _missing_or_unknown(names: set[str], cfg: DraftConfig) -> list[str]:
+    """Names the draft's modules need but the folder lacks, and names no module of it has."""
+    with torch.device("meta"):
+        wanted = set(Eagle3Draft(cfg).state_dict()) - {"t2d"}
+    have = our_names(names) - {"t2d", EMBED}     # t2d: skipped by every engine; embed: optional
+    problems = [f"lacks {sorted(wanted - have)} (left uninitialised)"] if wanted - have else []
+    return problems + ([f"holds {sorted(have - wanted)}, which its config.json gives no module"]
+                       if have - wanted else [])
+
+
+def _unread_switch(config: dict[str, Any]) -> list[str]:
+    return (["does not read norm_before_residual (its draft layer always takes the residual from the "
+             "un-normed hidden state): only vLLM serves this folder as trained"]
+            if config.get("norm_before_residual") else [])
+
+
+def vllm_loads(config: dict[str, Any], names: set[str], cfg: DraftConfig) -> list[str]:
+    """vLLM 0.32.0, vllm/model_executor/models/deepseek_eagle3.py: Eagle3DeepseekV2ForCausalLM
+    .load_weights (skips t2d, reads d2t, embed_tokens optional: the target's is shared when
+    absent), DeepseekV2Eagle3Model.hf_to_vllm_mapper (midlayer. -> layers.0.), fc_norm.{i} only
+    with `fc_norm` (DeepseekV2Eagle3Model.__init__); a name without a parameter raises
+    (vllm/model_executor/models/utils.py, AutoWeightsLoader._load_module). All three switches read."""
+    return _missing_or_unknown(names, cfg)
+
+
+def sglang_loads(config: dict[str, Any], names: set[str], cfg: DraftConfig) -> list[str]:
+    """SGLang (sgl-project/sglang python/sglang/srt/models/kimi_k25_eagle3.py at 054a1cef, the Kimi
+    MLA draft of PR #26506): Eagle3DeepseekV2ForCausalLM.load_weights (layers.0. -> midlayer., d2t -> hot
+    token ids, t2d skipped, unknown names skipped with a warning); Eagle3MLADecoderLayer refuses
+    q_lora_rank null; Eagle3MLAModel reads fc_norm and norm_output, never norm_before_residual."""
+    problems = _missing_or_unknown(names, cfg) + _unread_switch(config)
+    if config.get("q_lora_rank") is None:
+        problems.append("refuses q_lora_rank null (Eagle3MLADecoderLayer needs the low-rank q)")
+    return problems
+
+
+def tokenspeed_loads(config: dict[str, Any], names: set[str], cfg: DraftConfig) -> list[str]:
+    """TokenSpeed 0.1.0 (lightseekorg/tokenspeed f4d8ec6e), python/tokenspeed/runtime/models/
+    deepseek_v3.py: Eagle3DeepseekV2ForCausalLM.load_weights (layers.0. -> midlayer., d2t, t2d
+    skipped), Eagle3MlaModel reads fc_norm and norm_output (commit 6b0b578a), never
+    norm_before_residual. Its draft embedding is replicated; set_embed_and_head shares the target's
+    only when the shapes agree and otherwise raises unless the folder carried embed_tokens. A
+    DeepSeek-V3 target's embedding is replicated too (DeepseekV3Model.__init__), Kimi-K3's is
+    sharded over attention TP (runtime/models/kimi_k3.py, KimiLinearModel.__init__; the public
+    K3 recipes run TP 8), so a K3 folder without embed_tokens.weight fails at load."""
+    problems = _missing_or_unknown(names, cfg) + _unread_switch(config)
+    if needs_embedding(config.get(TARGET_KEY) or DEEPSEEK_V3) and EMBED not in names:
+        problems.append(f"needs {EMBED} on a Kimi-K3 target (it cannot share K3's TP-sharded embedding) "
+                        "and raises at load without it")
+    return problems
+
+
+LOAD_RULES: dict[str, LoadRule] = {"vllm": vllm_loads, "sglang": sglang_loads, "tokenspeed": tokenspeed_loads}
+
+
+def engine_load_problems(config: dict[str, Any], names: Iterable[str], cfg: DraftConfig) -> dict[str, list[str]]:
+    """Engine -> what goes wrong when it loads a folder with this config.json and these tensors."""
+    stored = set(names)
+    return {engine: rule(config, stored, cfg) for engine, rule in LOAD_RULES.items()}
+
+
 # ---- weights ----------------------------------------------------------------------------
-def export_tensors(draft: Eagle3Draft, dtype: torch.dtype = torch.bfloat16) -> dict[str, Tensor]:
-    """Checkpoint name -> tensor. The module names already are vLLM's, so this only casts."""
+def export_tensors(draft: Eagle3Draft, dtype: torch.dtype = torch.bfloat16,
+                   verifier_dir: Path | None = None) -> dict[str, Tensor]:
+    """Checkpoint name -> tensor. The module names already are vLLM's, so this casts, and adds
+    the verifier's embedding where `needs_embedding`."""
     out: dict[str, Tensor] = {}
     for name, tensor in draft.state_dict().items():
         # d2t (int64) and t2d (bool) keep their dtypes; float weights take the export dtype.
         t = tensor.to(dtype) if tensor.is_floating_point() else tensor
         out[name] = t.detach().cpu().contiguous()
+    if needs_embedding(draft.config.target_model_type):
+        out[EMBED] = _verifier_embedding(draft, verifier_dir).to(dtype).cpu().contiguous()
     return out
+
+
+def _verifier_embedding(draft: Eagle3Draft, verifier_dir: Path | None) -> Tensor:
+    """The draft's copy of the verifier's embedding, else the verifier's own; never zeros (a
+    draft rebuilt from a training state has not loaded it)."""
+    if draft.embed_tokens.device.type != "meta" and torch.count_nonzero(draft.embed_tokens) > 0:
+        return draft.embed_tokens.detach()
+    if verifier_dir is None:
+        raise ValueError(f"a {draft.config.target_model_type} draft folder carries {EMBED} (TokenSpeed cannot "
+                         "share the target's), but this draft has not loaded the verifier's embedding: pass "
+                         "verifier_dir or call load_verifier_embedding first")
+    from model.verifier_weights import read_verifier_embedding
+
+    return read_verifier_embedding(verifier_dir)
 
 
 def export_size_bytes(draft: Eagle3Draft, dtype: torch.dtype = torch.bfloat16) -> int:
     """Bytes of tensor data in model.safetensors (works for a draft on the meta device)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
     total = 0
     for tensor in draft.state_dict().values():
-        itemsize = torch.empty((), dtype=dtype).element_size() if tensor.is_floating_point() else tensor.element_size()
-        total += tensor.numel() * itemsize
+        total += tensor.numel() * (itemsize if tensor.is_floating_point() else tensor.element_size())
+    if needs_embedding(draft.config.target_model_type):
+        total += draft.embed_tokens.numel() * itemsize
     return total
 
 
-def export_draft(draft: Eagle3Draft, out_dir: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+def export_draft(draft: Eagle3Draft, out_dir: Path, dtype: torch.dtype = torch.bfloat16,
+                 verifier_dir: Path | None = None) -> Path:
     """Write config.json + model.safetensors; returns out_dir. The draft's target_model_type
-    (DEEPSEEK_V3 | KIMI_K3) decides what SGLang and TokenSpeed read."""
+    (DEEPSEEK_V3 | KIMI_K3) decides what SGLang and TokenSpeed read, and whether the folder
+    carries the embedding (from the draft, else from `verifier_dir`). Warns of every engine that
+    would not serve the folder as trained (aux layers, loader, switches)."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     config = draft_config_json(draft.config, dtype)
+    tensors = export_tensors(draft, dtype, verifier_dir)
     for engine, got in misreading_engines(config, draft.config.aux_layer_ids).items():
         logger.warning("%s: no config.json serves aux layers %s on every engine: %s would capture %s",
                        out_dir, list(draft.config.aux_layer_ids), engine, list(got))
+    serving = {engine for engine, got in engine_captures(config).items() if got is not None}
+    for engine, problems in engine_load_problems(config, tensors, draft.config).items():
+        for problem in problems if engine in serving else []:
+            logger.warning("%s: %s %s", out_dir, ENGINE_VERSIONS[engine], problem)
+    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    save_file(export_tensors(draft, dtype), str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+    save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
     return out_dir
+
+
+def stored_names(path: Path) -> list[str]:
+    """The tensor names of a folder's model.safetensors (its header only)."""
+    with safe_open(str(Path(path) / WEIGHTS_FILE), framework="pt") as f:
+        return list(f.keys())
+
+
+def read_folder_config(path: Path) -> DraftConfig:
+    """The DraftConfig of a draft folder, read with its tensor names (see aux_ids_from_json)."""
+    path = Path(path)
+    return draft_config_from_json(json.loads((path / CONFIG_FILE).read_text()), path / CONFIG_FILE,
+                                  stored_names(path))
 
 
 def _read_tensors(path: Path) -> dict[str, Tensor]:
     """model.safetensors under our names (TorchSpec's exports call midlayer "layers.0")."""
     tensors = load_file(str(Path(path) / WEIGHTS_FILE))
-    return {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in tensors.items()}
+    return {our_name(k): v for k, v in tensors.items()}
 
 
 def load_draft(
@@ -394,13 +595,13 @@ def load_draft(
 ) -> Eagle3Draft:
     """An exported draft back as Eagle3Draft (weights exactly as stored, cast to `dtype`).
 
-    The embedding is not in the checkpoint: pass `verifier_dir` to read it from the verifier
-    (else it stays zeros). A stored `embed_tokens.weight` (other tools) is used when present.
+    The embedding: a stored `embed_tokens.weight` (Kimi-K3 folders, other tools) when present,
+    else the verifier's when `verifier_dir` is given, else zeros.
     """
     path = Path(path)
-    cfg = draft_config_from_json(json.loads((path / CONFIG_FILE).read_text()), path / CONFIG_FILE)
+    cfg = read_folder_config(path)
     tensors = _read_tensors(path)
-    embed = tensors.pop("embed_tokens.weight", None)
+    embed = tensors.pop(EMBED, None)
     if cfg.pruned and "t2d" not in tensors:
         tensors["t2d"] = t2d_from_d2t(tensors["d2t"], cfg.vocab_size)
     with torch.device(device):
@@ -429,6 +630,35 @@ def _init_mismatch(path: Path, field: str, found: Any, wanted: Any) -> ValueErro
     return ValueError(f"{path} cannot start this draft: {field} is {found} there, {wanted} in the configured draft")
 
 
+def init_switches(conf_flags: Mapping[str, bool | None], path: Path) -> dict[str, bool]:
+    """The architecture switches of a run that starts from the folder in `path`: the folder's
+    where the draft conf leaves a switch null (unset), the conf's where it sets one; a set
+    switch that differs from the folder's is refused, naming both values (weights trained
+    under one norm wiring are no starting point for another)."""
+    path = Path(path)
+    found = read_folder_config(path)
+    switches = {}
+    for flag in ARCHITECTURE_FLAGS:
+        theirs, mine = getattr(found, flag), conf_flags.get(flag)
+        if mine is not None and bool(mine) != theirs:
+            raise ValueError(f"{path} cannot start this draft: {flag} is {theirs} in its {CONFIG_FILE}, "
+                             f"{bool(mine)} in draft.{flag}; set draft.{flag}={str(theirs).lower()}, or null to "
+                             "take the folder's")
+        switches[flag] = theirs
+    return switches
+
+
+def draft_config_for_run(draft_conf: Mapping[str, Any], verifier_dir: Path | None,
+                         init_from: Path | str | None) -> DraftConfig:
+    """DraftConfig.from_conf, with the switches of the `train.init_from` folder where the conf
+    leaves them null (null without init_from: off)."""
+    cfg = DraftConfig.from_conf(draft_conf, verifier_dir)
+    if not init_from:
+        return cfg
+    conf_flags = {flag: draft_conf.get(flag) for flag in ARCHITECTURE_FLAGS}
+    return dataclasses.replace(cfg, **init_switches(conf_flags, Path(init_from)))
+
+
 def init_from_draft(draft: Eagle3Draft, path: Path) -> None:
     """Copy the weights of the exported draft in `path` into `draft` (built from the run's
     configuration, vocabulary installed); refuse a folder of another shape, vocabulary, aux
@@ -436,7 +666,7 @@ def init_from_draft(draft: Eagle3Draft, path: Path) -> None:
     draft's (they must be equal)."""
     path = Path(path)
     raw = json.loads((path / CONFIG_FILE).read_text())
-    found, wanted = draft_config_from_json(raw, path / CONFIG_FILE), draft.config
+    found, wanted = read_folder_config(path), draft.config
     # Third-party folders may not state the target's layer count; their aux ids are checked anyway.
     fields = _INIT_FIELDS + (("target_num_hidden_layers",) if "target_num_hidden_layers" in raw else ())
     for field in fields:
@@ -447,7 +677,7 @@ def init_from_draft(draft: Eagle3Draft, path: Path) -> None:
             logger.warning("%s: %s is %s there, %s in the configured draft; training continues with the latter",
                            path, field, getattr(found, field), getattr(wanted, field))
     tensors = _read_tensors(path)
-    tensors.pop("embed_tokens.weight", None)
+    tensors.pop(EMBED, None)
     own = draft.state_dict()
     if wanted.pruned and not torch.equal(tensors.get("d2t", torch.empty(0)).cpu(), own["d2t"].cpu()):
         raise ValueError(f"{path} cannot start this draft: d2t (its pruned vocabulary) differs from the "

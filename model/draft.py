@@ -152,8 +152,10 @@ ARCHITECTURE_FLAGS = ("fc_norm", "norm_before_residual", "norm_output")
 
 
 def architecture_flags(d: dict[str, Any]) -> dict[str, bool]:
-    """The ARCHITECTURE_FLAGS of a config dict as DraftConfig keyword arguments; absent = False
-    (what vLLM assumes, so configs and folders written before the switches keep their meaning)."""
+    """The ARCHITECTURE_FLAGS of a config dict as DraftConfig keyword arguments; absent or null =
+    False (what vLLM assumes, so configs and folders written before the switches keep their
+    meaning; a conf's null means "the train.init_from folder's", which
+    model/checkpoint.py draft_config_for_run fills in)."""
     return {k: bool(d.get(k, False)) for k in ARCHITECTURE_FLAGS}
 
 

@@ -234,10 +234,11 @@ def test_ids_no_folder_serves_everywhere_are_exported_with_a_warning(tiny_cfg: D
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("vocab", [None, 2048], ids=["full", "pruned"])
 def test_export_import_reexport_is_identical(tiny_cfg: DraftConfig, tmp_path: Path, target: str,
-                                             vocab: int | None) -> None:
+                                             vocab: int | None, draft_verifier_dir: Path) -> None:
     draft = _draft(_with_aux(tiny_cfg, *LAYOUTS["k3" if target == KIMI_K3 else "tiny"], target), draft_vocab_size=vocab)
     first, second = tmp_path / "first", tmp_path / "second"
-    export_draft(draft, first)
+    export_draft(draft, first, verifier_dir=draft_verifier_dir)      # Kimi-K3 folders carry the embedding
+    assert ("embed_tokens.weight" in _tensors(first)) == (target == KIMI_K3)
     back = load_draft(first)
     assert back.config == draft.config
     export_draft(back, second)
@@ -249,32 +250,8 @@ def test_export_import_reexport_is_identical(tiny_cfg: DraftConfig, tmp_path: Pa
     assert a == b
 
 
-def test_a_torchspec_k3_config_imports_as_vllm_ids(tiny_cfg: DraftConfig, tmp_path: Path,
-                                                    caplog: pytest.LogCaptureFixture) -> None:
-    """TorchSpec's configs/draft_models/kimi_k3_eagle3_mla.json layout: SGLang ids in eagle_config
-    only, model_type kimi_k2, legacy rope keys, weights named layers.0.* (its HF export)."""
-    draft = _draft(_with_aux(tiny_cfg, (2, 46, 90), 93))
-    export_draft(draft, tmp_path, dtype=torch.float32)
-
-    def torchspec(cfg: dict) -> None:
-        for key in ("eagle_aux_hidden_state_layer_ids", "rope_parameters", "target_model_type", "target_hidden_size"):
-            del cfg[key]
-        cfg["model_type"] = "kimi_k2"
-        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [1, 45, 89], "use_aux_hidden_state": True,
-                               "use_input_layernorm_in_first_layer": True, "use_last_layernorm": True,
-                               "use_mtp_layernorm": False}
-
-    _rewrite_config(tmp_path, torchspec)
-    from safetensors.torch import save_file
-
-    save_file({k.replace("midlayer.", "layers.0."): v for k, v in _tensors(tmp_path).items()},
-              str(tmp_path / "model.safetensors"))
-    with caplog.at_level("WARNING", logger="model.checkpoint"):
-        back = load_draft(tmp_path)
-    assert back.config.aux_layer_ids == (2, 46, 90) and back.config.target_num_hidden_layers == 93
-    for name, tensor in draft.state_dict().items():
-        assert torch.equal(back.state_dict()[name], tensor), name
-    assert "vllm would feed the draft the layers entering [1, 45, 89]" in caplog.text   # vLLM takes them as they are
+# TorchSpec's and SGLang's own folders (eagle_config ids only, layers.0.* or midlayer.*, no
+# max_position_embeddings): tests/test_published_drafts.py, on tests/published_drafts.py's fixtures.
 
 
 def test_disagreeing_aux_ids_are_refused_and_old_exports_still_load(tiny_cfg: DraftConfig, tmp_path: Path,

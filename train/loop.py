@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from infra import failpoint, process_memory_bytes, resolve
 from model.card import SUMMARY, write_card
-from model.checkpoint import draft_config_json, export_draft, init_from_draft
+from model.checkpoint import draft_config_for_run, draft_config_json, export_draft, init_from_draft
 from model.draft import DraftConfig, build_draft
 from model.verifier import verifier_dir
 from model.verifier_weights import read_token_ids, read_verifier_head
@@ -83,7 +83,10 @@ def _pruned_vocab(cfg: DraftConfig, split: StoreSplit, run_dir: Path, verifier: 
 
 def prepare(cfg: DictConfig, run_dir: Path, world_size: int) -> RunSetup:
     verifier = verifier_dir(cfg.verifier)
-    draft_cfg = DraftConfig.from_conf(cfg.draft, verifier)
+    # With train.init_from the draft takes the folder's switches where cfg.draft leaves them null
+    # (also when resuming: the run was built so).
+    init_from = cfg.train.get("init_from")
+    draft_cfg = draft_config_for_run(cfg.draft, verifier, resolve(init_from) if init_from else None)
     split = StoreSplit.open(resolve(cfg.store_dir), float(cfg.eval.heldout_fraction), int(cfg.eval.heldout_seed))
     split = split.with_train_fraction(float(cfg.train.get("train_fraction", 1.0)))
     check_store(split.reader, draft_cfg, verifier, aux_capture=str(cfg.draft.aux_capture))  # before any compute
@@ -151,7 +154,7 @@ def export_run(engine, setup: RunSetup, run_dir: Path, dtype: torch.dtype) -> st
     out = None
     if dist.get_rank() == 0:
         draft = E.draft_from_state(setup.draft_cfg, state, setup.d2t)
-        out = str(export_draft(draft, run_dir / EXPORT_DIR, dtype))
+        out = str(export_draft(draft, run_dir / EXPORT_DIR, dtype, verifier_dir=setup.verifier))
     dist.barrier()
     return out
 
