@@ -120,7 +120,8 @@ plan: setup
 
 # `make bench-gpu [PY=python3] [ARGS="--max-len 4096"]` on one GPU: the Kimi-K2 draft's training
 # step (step time, peak memory beside the plan, tokens/s, MFU): bench/results/gpu_train.json. No
-# `setup` prerequisite: a GPU machine needs only PyTorch, hydra-core, omegaconf and safetensors.
+# `setup` prerequisite: a GPU machine needs only PyTorch, hydra-core and omegaconf (+ DeepSpeed for
+# ARGS="--engine deepspeed"); bench/gpu_train.py says what else each option needs.
 bench-gpu:
 	$(PY) -m bench.gpu_train $(ARGS)
 

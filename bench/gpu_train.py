@@ -7,8 +7,12 @@ memory plan (train/plan.py) beside the measured peak. Writes bench/results/gpu_t
                                                   thread (a test runs it; bf16 matmuls crawl on CPUs
                                                   without bf16 units)
 
-Needs PyTorch, hydra-core, omegaconf and safetensors (the project's config and draft code); not
-vLLM, not DeepSpeed (`--engine deepspeed` uses train/engine.py when DeepSpeed is installed).
+Needs PyTorch, hydra-core and omegaconf (the project's config and draft code), with their own
+requirements (PyYAML, antlr4-python3-runtime); nothing else: not vLLM, DeepSpeed, transformers,
+safetensors, numpy, nor the store's zarr, numcodecs and crc32c (tests/test_gpu.py runs the smoke
+mode with every other installed package unimportable). Two options need more: `--engine deepspeed`
+uses train/engine.py and needs DeepSpeed; `train.loss.target_topk=<k>` computes the top-k with
+the store's encoder (store/encoding.py) and needs the store's packages.
 
 What runs: the project's Eagle3Objective (model/draft.py's MLA draft, TTT steps, the chunked soft
 cross-entropy) on synthetic states: random aux and final hidden states and token ids, one sample

@@ -1,16 +1,25 @@
 """GPU readiness: the draft and the chunked loss on CUDA against the CPU (`gpu` tests, skipped
 without a CUDA device), vLLM's CPU-only kernel patch kept off other platforms, and the GPU
-benchmark's smoke mode and FLOP count on the CPU."""
+benchmark's smoke mode (with only the packages `make bench-gpu` says it needs) and FLOP count on
+the CPU.
+
+`pytest -m gpu` runs in the project's environment (`make setup GPU=1`): collecting the suite
+imports every test module, and this one reads rows through train/batches.py (the store's
+packages). `make bench-gpu` alone needs only PyTorch, hydra-core and omegaconf."""
 from __future__ import annotations
 
 import copy
 import json
+import re
 import subprocess
 import sys
+import tomllib
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 import torch
+from packaging.requirements import Requirement
 from torch.utils.flop_counter import FlopCounterMode
 
 from infra import REPO_ROOT
@@ -157,12 +166,72 @@ def test_expand_patch_is_a_no_op_off_vllms_cpu_platform() -> None:
     assert dispatcher._registry == registered
 
 
-def test_gpu_benchmark_smoke_mode_runs_on_the_cpu(tmp_path: Path) -> None:
+# What `make bench-gpu` needs (the Makefile and bench/gpu_train.py say so): PyTorch, hydra-core and
+# omegaconf, each with its own requirements; nothing else of the project's environment.
+BENCH_GPU_NEEDS = ("torch", "hydra-core", "omegaconf")
+# Run as if only those were installed: every other distribution's modules unimportable (None in
+# sys.modules: `import` raises ImportError, importlib.util.find_spec answers None, as for a module
+# that is not there). Then the benchmark as `python -m bench.gpu_train` runs it, and what its GPU
+# run does before the first CUDA call: the Kimi-K2 config, draft config and memory plan.
+_BARE_RUN = """
+import json, runpy, sys
+sys.modules.update(dict.fromkeys(json.loads(sys.argv.pop(1))))
+runpy.run_module("bench.gpu_train", run_name="__main__", alter_sys=True)
+import bench.gpu_train as bench
+from infra import compose_config
+from model.draft import DraftConfig
+cfg = compose_config("train", bench.KIMI_K2)
+draft = DraftConfig.from_conf(cfg.draft)
+plan = bench.plan_for(cfg, draft, int(cfg.train.max_len), 0)
+print(f"Kimi-K2 plan: {plan.total_bytes} bytes, bf16 lm_head {2 * draft.vocab_size * draft.hidden_size} bytes")
+"""
+
+
+def _distribution_key(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _requirement_closure(names: tuple[str, ...]) -> set[str]:
+    """The installed distributions `names` need, theirs included (extras and other platforms' not)."""
+    seen: set[str] = set()
+    todo = list(names)
+    while todo:
+        name = todo.pop()
+        if _distribution_key(name) in seen:
+            continue
+        seen.add(_distribution_key(name))
+        try:
+            requires = metadata.requires(name) or []
+        except metadata.PackageNotFoundError:
+            continue
+        for line in requires:
+            req = Requirement(line)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    return seen
+
+
+def _modules_bench_gpu_may_not_use() -> list[str]:
+    """Top-level modules of every installed distribution outside BENCH_GPU_NEEDS' closure and the
+    project itself."""
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["name"]
+    allowed = _requirement_closure(BENCH_GPU_NEEDS) | {_distribution_key(project)}
+    return sorted(module for module, dists in metadata.packages_distributions().items()
+                  if module.isidentifier() and not any(_distribution_key(d) in allowed for d in dists))
+
+
+def test_gpu_benchmark_smoke_mode_runs_on_the_cpu_with_only_torch_hydra_and_omegaconf(tmp_path: Path) -> None:
+    blocked = _modules_bench_gpu_may_not_use()
+    # The store's stack among them (train.objective once pulled it in through store.encoding).
+    assert {"zarr", "numcodecs", "crc32c", "deepspeed", "vllm", "transformers", "safetensors"} <= set(blocked)
+    assert not {"torch", "hydra", "omegaconf"} & set(blocked)
     out = tmp_path / "gpu_train.json"
-    run = subprocess.run([sys.executable, "-m", "bench.gpu_train", "--smoke", "--out", str(out)], cwd=REPO_ROOT,
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, "-c", _BARE_RUN, json.dumps(blocked), "--smoke", "--out", str(out)],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "total (peak)" in run.stdout and "tokens/s" in run.stdout
+    total, head = map(int, re.search(r"Kimi-K2 plan: (\d+) bytes, bf16 lm_head (\d+) bytes", run.stdout).groups())
+    assert total > head > 0                        # the plan holds at least the verifier's lm_head
     report = json.loads(out.read_text())
     assert report["torch"] == torch.__version__ and "bench.gpu_train --smoke" in report["command"]
     [attempt] = report["attempts"]

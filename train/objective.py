@@ -76,7 +76,6 @@ from torch import Tensor, nn
 
 from model.draft import Eagle3Draft, StepOutput
 from model.vocab import target_ids_of
-from store.encoding import verifier_topk
 
 
 @dataclass(frozen=True)
@@ -149,6 +148,10 @@ def topk_targets(batch: dict[str, Tensor], target_head: Tensor, k: int, chunk_by
     ids = torch.full((B, T, k), -1, dtype=torch.int64, device=rows.device)
     logprobs = torch.full((B, T, k), float("-inf"), dtype=torch.float32, device=rows.device)
     if b.numel():
+        # Here, not at the top: importing store.encoding runs the store package (zarr, numcodecs,
+        # crc32c), which a step on final states never needs (bench/gpu_train.py runs without it).
+        from store.encoding import verifier_topk
+
         ids[b, t], logprobs[b, t] = verifier_topk(batch["final"][b, t], target_head, k, chunk_bytes // 4)
     return {"target_ids": ids, "target_logprobs": logprobs}
 
