@@ -7,6 +7,7 @@ twice the accumulation to fp32 rounding of a different reduction order (rtol 1e-
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -21,6 +22,8 @@ import train.loop as loop
 from infra import REPO_ROOT, compose_config
 from model.checkpoint import load_draft
 from store import StoreMismatchError, StoreWriter, verifier_identity
+from tests.conftest import TRAIN_STORE_MAX_LEN, write_verifier_store
+from train.batches import SplitSizes, SplitTooSmallError, StoreSplit, check_split_sizes
 from train.engine import (COMPLETE, NonFiniteLossError, complete_checkpoints, consolidated_checkpoint_state,
                           precision_of)
 from train.metrics import read_jsonl
@@ -265,3 +268,118 @@ def test_sigkill_then_resume_repeats_the_uninterrupted_run(tmp_path: Path, train
     torch.testing.assert_close(_losses(run), _losses(reference), rtol=1e-6, atol=0)
     a, b = (read_jsonl(r / "metrics.jsonl", "heldout")[-1] for r in (reference, run))
     assert a["accept_length"] == pytest.approx(b["accept_length"], rel=1e-6)
+
+
+# ---- small stores: refused before the first step, or trained and exported -----------------------
+SMALL_STORE_SAMPLES = 5          # a new user's first store
+
+
+@pytest.fixture(scope="module")
+def small_store(draft_verifier_dir: Path, tmp_path_factory) -> Path:
+    return write_verifier_store(tmp_path_factory.mktemp("small") / "store", SMALL_STORE_SAMPLES, TRAIN_STORE_MAX_LEN)
+
+
+def _split(store: Path, *overrides: str) -> StoreSplit:
+    """The split `python -m train` makes of the store with these overrides."""
+    cfg = compose_config("train", list(overrides))
+    split = StoreSplit.open(store, float(cfg.eval.heldout_fraction), int(cfg.eval.heldout_seed))
+    return split.with_train_fraction(float(cfg.train.train_fraction))
+
+
+def _train_command(run_dir: Path, *overrides: str, ranks: int = 1) -> subprocess.CompletedProcess:
+    launch = ([str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", str(ranks)]
+              if ranks > 1 else [sys.executable])
+    return subprocess.run([*launch, "-m", "train", *_command(run_dir, list(overrides))], cwd=REPO_ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=600)
+
+
+def _assert_exported_without_heldout(run: Path, steps: int, verifier: Path) -> None:
+    assert len(_losses(run)) == steps and not read_jsonl(run / "metrics.jsonl", "heldout")
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["heldout"] == {} and summary["exported"] == str(run / "draft")
+    assert load_draft(run / "draft", verifier).config.vocab_size > 0
+
+
+def test_a_store_with_no_heldout_sample_trains_and_exports(small_store: Path, draft_verifier_dir: Path,
+                                                           tmp_path: Path) -> None:
+    """The new user's `make train ARGS="store_dir=<5 conversations> train.steps=2 eval.every=0"`: at
+    the default held-out fraction none of them is held out. The run says so before the first step,
+    trains, skips the held-out evaluation (it used to die there, after training, before the export)
+    and exports."""
+    split = _split(small_store)
+    assert len(split.train) == SMALL_STORE_SAMPLES and not split.heldout          # the case
+    run = tmp_path / "run"
+    done = _train_command(run, f"store_dir={small_store}", f"verifier.path={draft_verifier_dir}", "train.steps=2",
+                          "eval.every=0")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "train done: 2 steps, no held-out evaluation (no held-out samples)" in done.stdout
+    log = (run / "__main__.log").read_text()
+    assert f"store {small_store}: none of its {SMALL_STORE_SAMPLES} samples is held out at eval.heldout_fraction=" in log
+    # 5 samples of at most 256 tokens are one row of 2048: fewer than a step's 2 (grad_accum 2).
+    assert f"its {SMALL_STORE_SAMPLES} training samples pack into 1 row(s)" in log
+    _assert_exported_without_heldout(run, 2, draft_verifier_dir)
+
+
+def test_a_store_with_no_training_sample_is_refused_before_the_first_step(small_store: Path, draft_verifier_dir: Path,
+                                                                          tmp_path: Path) -> None:
+    split = _split(small_store, "eval.heldout_fraction=1.0")
+    assert not split.train and len(split.heldout) == SMALL_STORE_SAMPLES           # the case
+    run = tmp_path / "run"
+    done = _train_command(run, f"store_dir={small_store}", f"verifier.path={draft_verifier_dir}", "train.steps=2",
+                          "eval.heldout_fraction=1.0")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert (f"train refused: store {small_store} has no training samples (all {SMALL_STORE_SAMPLES} of its samples "
+            f"are held out at eval.heldout_fraction=1.0: lower it") in done.stderr
+    assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
+    assert not (run / "draft").exists()
+
+
+def test_fewer_training_samples_than_ranks_train_and_export(small_store: Path, draft_verifier_dir: Path,
+                                                            tmp_path: Path) -> None:
+    """2 ranks, ZeRO-3, one training sample: both ranks train on it (the stream repeats epochs), the
+    held-out rows do not divide between the ranks (one repeats a row it does not count)."""
+    overrides = [f"store_dir={small_store}", f"verifier.path={draft_verifier_dir}", "deepspeed=zero3",
+                 "train.steps=1", "train.grad_accum=1", "train.max_len=256", "train.num_workers=0",
+                 "train.train_fraction=0.5", "eval.heldout_fraction=0.3"]
+    split = _split(small_store, *overrides)
+    assert len(split.train) == 1 and len(split.heldout) % 2 == 1                    # the case
+    run = tmp_path / "run"
+    done = _train_command(run, *overrides, ranks=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "its 1 training samples pack into 1 row(s)" in (run / "__main__.log").read_text()
+    assert len(_losses(run)) == 1 and (run / "draft" / "model.safetensors").exists()
+    held = _heldout(run)
+    assert held["step"] == 1 and held["tokens_counted"] > 0
+
+
+@pytest.mark.parametrize(("train", "heldout", "epoch_rows", "rows_per_step", "expected"), [
+    (40, 4, 10, 2, []),
+    (5, 0, 1, 1, ["none of its 5 samples is held out at eval.heldout_fraction=0.05"]),
+    (1, 3, 1, 2, ["its 1 training samples pack into 1 row(s) of train.max_len=2048 tokens, fewer than the 2 rows "
+                  "one optimizer step takes (train.micro_batch x train.grad_accum x 2 rank(s))"]),
+    (5, 0, 1, 2, ["none of its 5 samples is held out", "its 5 training samples pack into 1 row(s)"]),
+])
+def test_split_size_warnings(train: int, heldout: int, epoch_rows: int, rows_per_step: int,
+                             expected: list[str]) -> None:
+    warnings = check_split_sizes(SplitSizes(Path("/s"), train, heldout, epoch_rows, rows_per_step, 2), 0.05, 2048)
+    assert len(warnings) == len(expected), warnings
+    for part, warning in zip(expected, warnings):
+        assert warning.startswith("store /s: ") and part in warning, warning
+
+
+@pytest.mark.parametrize(("heldout", "reason"), [(3, "all 3 of its samples are held out at eval.heldout_fraction=0.05"),
+                                                 (0, "it holds no samples")])
+def test_split_without_training_samples_is_refused(heldout: int, reason: str) -> None:
+    with pytest.raises(SplitTooSmallError, match=rf"store /s has no training samples \({reason}"):
+        check_split_sizes(SplitSizes(Path("/s"), 0, heldout, 0, 2, 1), 0.05, 2048)
+
+
+def test_batch_settings_below_one_are_refused_before_any_compute(train_store: Path, draft_verifier_dir: Path,
+                                                                 tmp_path: Path, monkeypatch) -> None:
+    def no_compute(*_):
+        raise AssertionError("the model was built for settings the run cannot train with")
+
+    monkeypatch.setattr(loop, "build_objective", no_compute)
+    with pytest.raises(ValueError, match=r"train.grad_accum=0 \(at least 1\); train.checkpoint_every=-1"):
+        _fit(tmp_path / "run", _overrides(train_store, draft_verifier_dir, "train.grad_accum=0",
+                                          "train.checkpoint_every=-1"))

@@ -9,6 +9,8 @@ overrides] [plan.world_size=N] [--json FILE]` prints the per-rank memory plan (t
     python -m train hydra.run.dir=<run> train.resume=auto  continue a killed run from its newest checkpoint
     torchrun --standalone --nproc_per_node 2 -m train    two ranks (see train/engine.py for more)
 
+Exit status 2: refused before the first step: a store of another draft, or one with no training
+sample (the message names the store, its counts and the setting to change).
 Exit status 3: the loss became NaN/Inf (the message names the last good checkpoint).
 """
 from __future__ import annotations
@@ -32,25 +34,36 @@ logger = logging.getLogger("train")
 
 @hydra.main(version_base=None, config_path=str(infra.CONF_DIR), config_name="train")
 def train_main(cfg: DictConfig) -> None:
+    from store import StoreMismatchError
+    from train.batches import SplitTooSmallError
     from train.engine import NonFiniteLossError
     from train.loop import fit
 
     try:
         summary = fit(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except (StoreMismatchError, SplitTooSmallError) as error:
+        logger.error("%s", error)
+        print(f"train refused: {error}", file=sys.stderr)
+        sys.exit(2)
     except NonFiniteLossError as error:
         logger.error("%s", error)
         print(f"train stopped: {error}", file=sys.stderr)
         sys.exit(3)
     if summary["rank"] != 0:
         return
-    held = summary["heldout"]
-    K = sum(1 for key in held if key.startswith("acc_"))
-    accs = ", ".join(f"{held[f'acc_{k}']:.3f}" for k in range(K))
     speed = summary["train_tokens_per_s"]
-    print(f"train done: {summary['steps']} steps, held-out accept length {held['accept_length']:.3f} "
-          f"(chain replay {held['chain_accept_length']:.3f}; top-1 per step {accs}), "
+    print(f"train done: {summary['steps']} steps, {_heldout_line(summary['heldout'])}, "
           f"{'-' if speed is None else f'{speed:.0f}'} tokens/s; draft {summary['exported']}; "
           f"run {summary['run_dir']}")
+
+
+def _heldout_line(held: dict[str, float]) -> str:
+    if not held:                  # the store held no sample out (train/loop.py skipped it, warning)
+        return "no held-out evaluation (no held-out samples)"
+    K = sum(1 for key in held if key.startswith("acc_"))
+    accs = ", ".join(f"{held[f'acc_{k}']:.3f}" for k in range(K))
+    return (f"held-out accept length {held['accept_length']:.3f} (chain replay "
+            f"{held['chain_accept_length']:.3f}; top-1 per step {accs})")
 
 
 def export_main(argv: list[str]) -> int:

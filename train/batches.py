@@ -38,6 +38,11 @@ before, and 1 rank with grad_accum 2 sees the same rows per step as 2 ranks with
 Split. A sample is held out for evaluation when `data.conversations.is_held_out` says so for
 its conversation (ShareGPT parts "id_3" count as "id", as the dump's own split does), with the
 fraction and seed of conf/train.yaml: stable whatever the store's order or size.
+
+Size. A store too small for the run is caught before the first step (`check_split_sizes`): no
+training sample is refused; no held-out sample skips the held-out evaluation (the run still
+trains and exports); an epoch of fewer rows than one optimizer step takes repeats samples within
+each step, which the endless stream does by design, and is said once.
 """
 from __future__ import annotations
 
@@ -146,6 +151,10 @@ class RowStream:
         self.lengths, self.max_len, self.seed = list(lengths), max_len, seed
         self._epochs: list[list[list[int]]] = []
         self._starts: list[int] = [0]               # stream index of each epoch's first row
+
+    def epoch(self, e: int) -> list[list[int]]:
+        """The rows (sample indices) of epoch e, in stream order."""
+        return self._epoch(e)
 
     def _epoch(self, e: int) -> list[list[int]]:
         while len(self._epochs) <= e:
@@ -328,6 +337,10 @@ class StoreSplit:
     def train_stream(self, max_len: int, seed: int) -> RowStream:
         return RowStream([r.num_tokens for r in self.train], max_len, seed)
 
+    def sizes(self, max_len: int, seed: int, rows_per_step: int, world_size: int) -> SplitSizes:
+        epoch_rows = len(self.train_stream(max_len, seed).epoch(0)) if self.train else 0
+        return SplitSizes(self.path, len(self.train), len(self.heldout), epoch_rows, rows_per_step, world_size)
+
     def eval_rows(self, max_len: int, rank: int, world_size: int) -> list[tuple[list[int], bool]]:
         """(row, counted) pairs: held-out samples packed in store order, rank r taking every
         world_size-th row. Every rank gets the same number of rows (ZeRO-3 gathers weights in
@@ -339,6 +352,53 @@ class StoreSplit:
         per_rank = math.ceil(len(rows) / world_size)
         filler = mine[0][0] if mine else rows[0]
         return mine + [(filler, False)] * (per_rank - len(mine))
+
+
+class SplitTooSmallError(ValueError):
+    """The store's split cannot feed the run (raised before the first step)."""
+
+
+@dataclass(frozen=True)
+class SplitSizes:
+    """A run's split against what its steps take (`StoreSplit.sizes`)."""
+
+    store: Path
+    train: int              # training samples (after train.train_fraction)
+    heldout: int            # held-out samples
+    epoch_rows: int         # packed rows of one epoch of the training samples (epoch 0)
+    rows_per_step: int      # train.micro_batch x train.grad_accum x ranks
+    world_size: int
+
+
+def check_split_sizes(sizes: SplitSizes, heldout_fraction: float, max_len: int) -> list[str]:
+    """The warnings of a split the run can train on; refuses (SplitTooSmallError) one it cannot.
+
+    - No training sample: nothing to train; refused (the stream would raise after the engine is
+      built, the pruned vocabulary would count nothing).
+    - No held-out sample: warned; the caller skips the held-out evaluation and still exports. The
+      held-out numbers report on the draft, they are not part of it (and `make eval` measures the
+      accept length on conversations no dump's train split holds); a trainer given no validation
+      data trains without validating.
+    - Fewer rows per epoch than one optimizer step takes (fewer samples than ranks is one case):
+      warned. The stream repeats epochs, so each step still gets its rows, some of them the same
+      sample, as a distributed sampler pads a short data set by repeating it."""
+    where = f"store {sizes.store}"
+    if sizes.train == 0:
+        held = (f"all {sizes.heldout} of its samples are held out at eval.heldout_fraction="
+                f"{heldout_fraction}: lower it" if sizes.heldout else "it holds no samples: dump some")
+        raise SplitTooSmallError(f"{where} has no training samples ({held}, or point store_dir= at a "
+                                 f"larger store)")
+    warnings = []
+    if sizes.heldout == 0:
+        warnings.append(f"{where}: none of its {sizes.train} samples is held out at eval.heldout_fraction="
+                        f"{heldout_fraction}: the held-out evaluation is skipped (the draft is still "
+                        f"exported); raise eval.heldout_fraction or use a larger store to have one")
+    if sizes.epoch_rows < sizes.rows_per_step:
+        warnings.append(f"{where}: its {sizes.train} training samples pack into {sizes.epoch_rows} row(s) of "
+                        f"train.max_len={max_len} tokens, fewer than the {sizes.rows_per_step} rows one "
+                        f"optimizer step takes (train.micro_batch x train.grad_accum x {sizes.world_size} "
+                        f"rank(s)): each step repeats samples; use a larger store or lower those settings")
+    return warnings
 
 
 def store_keeps_topk(reader: StoreReader) -> bool:

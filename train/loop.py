@@ -5,6 +5,12 @@
 The run folder (Hydra's output dir; rank 0's, shared with every rank) holds metrics.jsonl,
 tensorboard/, checkpoints/, draft_config.json (+ vocab.safetensors for a pruned vocabulary), and
 draft/ (the exported vLLM checkpoint).
+
+What the run cannot finish is refused before the first step (`prepare`: a store of another draft,
+a store with no training sample, batch settings below 1). A store with no held-out sample trains
+and exports without the held-out evaluation (train/batches.py check_split_sizes says why). The
+final evaluation runs after the export, so nothing it meets can leave a trained run without its
+draft. Every `*_every` setting of 0 means "at the end only".
 """
 from __future__ import annotations
 
@@ -31,8 +37,8 @@ from model.verifier import verifier_dir
 from model.verifier_weights import read_token_ids, read_verifier_head
 from model.vocab import build_draft_vocab, count_tokens
 from train import engine as E
-from train.batches import (PackedRows, StoreSplit, check_store, iterate_token_masks, make_loader,
-                           rank_rows, store_keeps_topk, to_device)
+from train.batches import (PackedRows, StoreSplit, check_split_sizes, check_store, iterate_token_masks,
+                           make_loader, rank_rows, store_keeps_topk, to_device)
 from train.heldout import evaluate
 from train.metrics import RunLog, step_metrics
 from train.objective import Eagle3Objective, ObjectiveConfig, StepStats
@@ -81,6 +87,25 @@ def _pruned_vocab(cfg: DraftConfig, split: StoreSplit, run_dir: Path, verifier: 
     return load_file(str(path))["d2t"]
 
 
+def _check_settings(cfg: DictConfig) -> None:
+    """Refuse, before any compute, settings that would stop the run at its first step or later."""
+    t = cfg.train
+    problems = [f"train.{key}={t[key]} (at least 1)" for key in ("micro_batch", "grad_accum", "max_len")
+                if int(t[key]) < 1]
+    problems += [f"{name}={value} (0: at the end only, else every that many steps)"
+                 for name, value in (("train.log_every", t.log_every), ("train.checkpoint_every", t.checkpoint_every),
+                                     ("eval.every", cfg.eval.every)) if int(value or 0) < 0]
+    problems += [f"train.steps={t.steps} (0 or more)"] if t.steps is not None and int(t.steps) < 0 else []
+    if problems:
+        raise ValueError("cannot train with " + "; ".join(problems))
+
+
+def _due(every: int | None, done: int, total: int) -> bool:
+    """Whether a periodic action (log, checkpoint) runs after step `done`: every `every` steps and
+    at the last one; every 0 or null: at the last one only."""
+    return done == total or (bool(every) and done % int(every) == 0)
+
+
 def prepare(cfg: DictConfig, run_dir: Path, world_size: int) -> RunSetup:
     verifier = verifier_dir(cfg.verifier)
     # With train.init_from the draft takes the folder's switches where cfg.draft leaves them null
@@ -91,12 +116,16 @@ def prepare(cfg: DictConfig, run_dir: Path, world_size: int) -> RunSetup:
     split = split.with_train_fraction(float(cfg.train.get("train_fraction", 1.0)))
     check_store(split.reader, draft_cfg, verifier, aux_capture=str(cfg.draft.aux_capture))  # before any compute
     t = cfg.train
+    _check_settings(cfg)
     rows_per_step = int(t.micro_batch) * int(t.grad_accum) * world_size
+    sizes = split.sizes(int(t.max_len), int(cfg.seed), rows_per_step, world_size)
+    for warning in check_split_sizes(sizes, float(cfg.eval.heldout_fraction), int(t.max_len)):
+        if dist.get_rank() == 0:
+            logger.warning("%s", warning)
     if t.steps is not None:
         total = int(t.steps)
     else:
-        epoch_rows = len(split.train_stream(int(t.max_len), int(cfg.seed))._epoch(0))
-        total = math.ceil(float(t.epochs) * epoch_rows / rows_per_step)
+        total = math.ceil(float(t.epochs) * sizes.epoch_rows / rows_per_step)
     d2t = _pruned_vocab(draft_cfg, split, run_dir, verifier) if draft_cfg.pruned else None
     if dist.get_rank() == 0:
         (run_dir / DRAFT_CONFIG).write_text(json.dumps(draft_config_json(draft_cfg), indent=2) + "\n")
@@ -148,6 +177,17 @@ def run_evaluation(engine, setup: RunSetup, cfg: DictConfig, rank: int, world: i
     return evaluate(engine, loader, [c for _, c in plan], int(cfg.eval.ttt_steps))
 
 
+def evaluate_and_log(engine, setup: RunSetup, cfg: DictConfig, rank: int, world: int, log: RunLog,
+                     step: int, bar: tqdm) -> dict[str, float]:
+    """The held-out evaluation after `step`, written to the run log and the progress bar."""
+    heldout = run_evaluation(engine, setup, cfg, rank, world)
+    log.write("heldout", step, heldout)
+    if rank == 0:
+        accs = ", ".join(f"{heldout[f'acc_{k}']:.3f}" for k in range(int(cfg.eval.ttt_steps)))
+        bar.write(f"step {step}: held-out accept length {heldout['accept_length']:.3f} (top-1 {accs})")
+    return heldout
+
+
 def export_run(engine, setup: RunSetup, run_dir: Path, dtype: torch.dtype) -> str | None:
     """<run dir>/draft through model.checkpoint.export_draft (rank 0; a collective under ZeRO-3)."""
     state = E.gathered_draft_state(engine)
@@ -186,6 +226,7 @@ def fit(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     bar = tqdm(total=setup.total_steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
                disable=rank != 0)
     heldout: dict[str, float] = {}
+    evaluating = bool(setup.split.heldout)             # none held out: skipped (prepare warned)
     tokens_total, time_total = 0.0, 0.0
     try:
         for step in range(start, setup.total_steps):
@@ -202,23 +243,20 @@ def fit(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                       # This process's resident memory now and at its peak (DataLoader workers apart).
                       "rss_bytes": process_memory_bytes("VmRSS"), "peak_rss_bytes": process_memory_bytes("VmHWM"),
                       "epoch": plan[(done - start) * rows_per_rank_step - 1][0]}
-            if done % int(t.log_every) == 0 or done == setup.total_steps:
+            if _due(t.log_every, done, setup.total_steps):
                 log.write("train", done, record)
             bar.update(1)
             failpoint("train.step.done")
             bar.set_postfix(loss=f"{loss:.3f}", acc0=f"{record['acc_0']:.3f}", tok_s=f"{tokens / elapsed:.0f}")
-            if done % int(t.checkpoint_every) == 0 or done == setup.total_steps:
+            if _due(t.checkpoint_every, done, setup.total_steps):
                 last_ckpt = E.save_checkpoint(engine, ckpt_root, done, int(t.keep_checkpoints), {"loss": loss})
-            if (cfg.eval.every and done % int(cfg.eval.every) == 0) or done == setup.total_steps:
-                heldout = run_evaluation(engine, setup, cfg, rank, world)
-                log.write("heldout", done, heldout)
-                accs = ", ".join(f"{heldout[f'acc_{k}']:.3f}" for k in range(int(cfg.eval.ttt_steps)))
-                if rank == 0:
-                    bar.write(f"step {done}: held-out accept length {heldout['accept_length']:.3f} (top-1 {accs})")
-        if not heldout:                                   # a resumed run that had already finished
-            heldout = run_evaluation(engine, setup, cfg, rank, world)
-            log.write("heldout", start, heldout)
+            if evaluating and done < setup.total_steps and _due(cfg.eval.every, done, setup.total_steps):
+                heldout = evaluate_and_log(engine, setup, cfg, rank, world, log, done, bar)
+        # The final evaluation (also of a resumed run that had already finished) after the export:
+        # whatever it meets, the trained draft is on disk.
         exported = export_run(engine, setup, run_dir, getattr(torch, t.export_dtype)) if t.export else None
+        if evaluating:
+            heldout = evaluate_and_log(engine, setup, cfg, rank, world, log, max(start, setup.total_steps), bar)
     finally:
         bar.close()
         log.close()
