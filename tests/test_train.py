@@ -157,6 +157,19 @@ def test_export_loads_back_with_the_trained_weights(zero_runs: dict[str, Path], 
     assert all(torch.equal(again.state_dict()[k], v) for k, v in exported.items())
 
 
+def test_export_finds_the_runs_verifier_in_its_saved_config(tmp_path: Path, draft_verifier_dir: Path) -> None:
+    """`python -m train export` reads the verifier of a Hydra run (a Kimi-K3 export ships its
+    embedding), and knows none for a run folder without one."""
+    from omegaconf import OmegaConf
+
+    from train.__main__ import _run_verifier
+
+    assert _run_verifier(tmp_path) is None
+    (tmp_path / ".hydra").mkdir()
+    OmegaConf.save(compose_config("train", [f"verifier.path={draft_verifier_dir}"]), tmp_path / ".hydra" / "config.yaml")
+    assert _run_verifier(tmp_path) == draft_verifier_dir
+
+
 def test_precision_auto_is_fp32_on_cpu_and_bf16_on_accelerators() -> None:
     assert precision_of("auto", "cpu") == "fp32" and precision_of("auto", "cuda") == "bf16"
     assert precision_of("bf16", "cpu") == "bf16" and precision_of("fp32", "cuda") == "fp32"

@@ -71,7 +71,7 @@ def export_main(argv: list[str]) -> int:
     import torch
     from safetensors.torch import load_file
 
-    from model.checkpoint import draft_config_from_json, export_draft
+    from model.checkpoint import KIMI_K3, draft_config_from_json, export_draft
     from train.engine import consolidated_checkpoint_state, draft_from_state, resolve_resume
     from train.loop import DRAFT_CONFIG, EXPORT_DIR, VOCAB
 
@@ -80,15 +80,33 @@ def export_main(argv: list[str]) -> int:
     parser.add_argument("checkpoint", type=Path, help="a checkpoint folder, or a run folder (newest checkpoint)")
     parser.add_argument("out", type=Path, nargs="?", help="default: <checkpoint>/draft")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--verifier", type=Path, default=None,
+                        help="the verifier folder (a Kimi-K3 export ships its embedding); default: the "
+                             "run's own, from <run>/.hydra/config.yaml")
     args = parser.parse_args(argv)
     folder = resolve_resume(str(args.checkpoint), args.checkpoint)
     run_dir = folder.parent.parent
     cfg = draft_config_from_json(json.loads((run_dir / DRAFT_CONFIG).read_text()))
     d2t = load_file(str(run_dir / VOCAB))["d2t"] if (run_dir / VOCAB).exists() else None
     draft = draft_from_state(cfg, consolidated_checkpoint_state(folder), d2t)
-    out = export_draft(draft, args.out or folder / EXPORT_DIR, getattr(torch, args.dtype))
+    verifier = args.verifier or _run_verifier(run_dir)
+    if verifier is None and cfg.target_model_type == KIMI_K3:
+        print(f"python -m train export: {run_dir} names no verifier (no .hydra/config.yaml) and a Kimi-K3 "
+              "export ships the verifier's embedding: pass --verifier <folder>", file=sys.stderr)
+        return 2
+    out = export_draft(draft, args.out or folder / EXPORT_DIR, getattr(torch, args.dtype), verifier_dir=verifier)
     print(f"exported {folder} -> {out}")
     return 0
+
+
+def _run_verifier(run_dir: Path) -> Path | None:
+    """The verifier folder a run was trained against, from the config Hydra saved in it."""
+    from omegaconf import OmegaConf
+
+    from model.verifier import verifier_dir
+
+    saved = run_dir / ".hydra" / "config.yaml"
+    return verifier_dir(OmegaConf.load(saved).verifier) if saved.exists() else None
 
 
 def verify_main(argv: list[str]) -> int:
