@@ -1,5 +1,6 @@
 """`python -m dump [hydra overrides]` dumps; `python -m dump inspect <store>` checks a store;
-`python -m dump transcode <src> <dst> [overrides]` re-encodes one (dump/transcode.py)."""
+`python -m dump transcode <src> <dst> [overrides]` re-encodes one (dump/transcode.py);
+`python -m dump plan [overrides]` prints the memory of one capture engine call (dump/plan.py)."""
 from __future__ import annotations
 
 import argparse
@@ -71,6 +72,9 @@ def inspect_main(argv: list[str]) -> int:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "inspect":
         sys.exit(inspect_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "plan":
+        from dump.plan import main as plan_main
+        sys.exit(plan_main(sys.argv[2:]))
     if len(sys.argv) > 1 and sys.argv[1] == "transcode":
         from dump.transcode import main as transcode_main
         sys.exit(transcode_main(sys.argv[2:]))

@@ -1,14 +1,25 @@
-"""Stage 1 end to end: conversations -> (regenerated answers) -> tokens -> vLLM capture -> store."""
+"""Stage 1 end to end: conversations -> (regenerated answers) -> tokens -> vLLM capture -> store.
+
+Work comes in rounds of `batch_size` conversations of this rank (a regeneration round decodes them
+together), and each round's samples are captured in engine calls of at most
+`capture.max_batch_tokens` tokens (`token_batches`; a longer sample goes alone), so the captured
+states held at once follow that budget, not the round nor the data set. Shards close only between
+engine calls. Resuming is exact: rounds are cut from the rank's whole stream of conversations
+(done ones included) and calls from a round's whole list of samples, so a resumed run decodes and
+captures every unfinished sample in the same company as an uninterrupted run would (batched
+numerics depend on it); only calls with a sample not yet in the store run again, whole.
+"""
 from __future__ import annotations
 
 import json
 import time
 from collections import Counter, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -17,13 +28,17 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from data.conversations import Conversation, ReadStats, load_conversations
 from data.template import SampleRejected, TokenizedSample, tokenize_conversation
-from dump.capture import HiddenStateCapture, capture_spec, start_capture_engine
+from dump.capture import CapturedSample, HiddenStateCapture, capture_spec, start_capture_engine
 from dump.engine import shutdown_llm
 from dump.regenerate import regenerate
 from infra import failpoint, resolve
 from model.verifier import verifier_dir
 from model.verifier_weights import read_verifier_head
 from store import StoreWriter, verifier_identity
+from train.batches import pack_next_fit
+
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -44,10 +59,19 @@ def _writer_kind(reason: str) -> str:
     return "non-finite hidden states" if "non-finite" in reason else reason
 
 
-def batched(items: Iterable[Conversation], size: int) -> Iterator[list[Conversation]]:
+def batched(items: Iterable[T], size: int) -> Iterator[list[T]]:
     it = iter(items)
     while batch := list(islice(it, size)):
         yield batch
+
+
+def token_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Indices of consecutive items grouped into batches of at most max_tokens tokens, in order;
+    an item longer than max_tokens is a batch of its own: the next-fit grouping the trainer packs
+    rows with (train/batches.py pack_next_fit)."""
+    if max_tokens < 1:
+        raise ValueError(f"capture.max_batch_tokens must be positive, got {max_tokens}")
+    return pack_next_fit(lengths, max_tokens)
 
 
 def open_writer(output_dir: str | Path, verifier: DictConfig, store: DictConfig, record: dict[str, Any],
@@ -75,12 +99,20 @@ def target_head_for(store: DictConfig, vdir: Path) -> torch.Tensor | None:
 
 
 def write_batch(writer: StoreWriter, capture: HiddenStateCapture, samples: list[TokenizedSample],
-                rejections: Rejections | None = None) -> int:
-    """Capture one batch of tokenized samples and add them to the store; returns its tokens.
+                rejections: Rejections | None = None, done: AbstractSet[str] = frozenset()) -> int:
+    """Capture one batch of tokenized samples in one engine call and add those not `done` to the
+    store; returns the tokens added.
 
     The samples the store refuses (non-finite states) are noted in `rejections`, if given."""
-    captured = capture.capture([s.input_ids for s in samples]) if samples else []
-    for sample, states in zip(samples, captured):
+    captured: list[CapturedSample | None] = []
+    if samples:
+        captured.extend(capture.capture([s.input_ids for s in samples]))
+    tokens = 0
+    for i, sample in enumerate(samples):
+        states, captured[i] = captured[i], None  # the writer keeps its own encoding: let go of ours
+        if sample.id in done:
+            continue
+        tokens += len(sample.input_ids)
         added = writer.add(sample.id, sample.input_ids, sample.loss_mask, states.aux, states.final)
         if not added and rejections is not None:
             reason = writer.stats.rejected[sample.id]
@@ -88,7 +120,7 @@ def write_batch(writer: StoreWriter, capture: HiddenStateCapture, samples: list[
             rejections.note(sample.id, _writer_kind(reason), where + reason)
     # Shards close only between batches, so a resumed run forms the same batches.
     writer.commit_if_full()
-    return sum(len(s.input_ids) for s in samples)
+    return tokens
 
 
 def check_input(data: DictConfig, split: str) -> None:
@@ -98,17 +130,33 @@ def check_input(data: DictConfig, split: str) -> None:
 
 
 def tokenize_batch(writer: StoreWriter, tokenizer: PreTrainedTokenizerBase, batch: list[Conversation],
-                   cfg: DictConfig, rejections: Rejections) -> list[TokenizedSample]:
-    """The batch's samples under cfg.max_len and cfg.over_long; the others are rejected."""
+                   cfg: DictConfig, rejections: Rejections, done: AbstractSet[str] = frozenset()
+                   ) -> list[TokenizedSample]:
+    """The batch's samples under cfg.max_len and cfg.over_long; the others are rejected (those
+    `done` were, by the run that recorded them)."""
     samples: list[TokenizedSample] = []
     for conv in batch:
         try:
             samples.append(tokenize_conversation(tokenizer, conv, cfg.max_len, cfg.over_long))
         except SampleRejected as err:
+            if conv.id in done:
+                continue
             # Recorded in the store, so a resumed run skips it and forms the same batches.
             writer.reject(conv.id, str(err))
             rejections.note(conv.id, err.kind, str(err))
     return samples
+
+
+def capture_round(writer: StoreWriter, capture: HiddenStateCapture, samples: list[TokenizedSample],
+                  max_batch_tokens: int, rejections: Rejections, done: AbstractSet[str]) -> Iterator[int]:
+    """Capture one round's samples in engine calls of at most max_batch_tokens tokens; yields the
+    tokens each call added. Calls whose samples are all `done` are skipped; the others run whole."""
+    for call in token_batches([len(s.input_ids) for s in samples], max_batch_tokens):
+        batch = [samples[i] for i in call]
+        if all(s.id in done for s in batch):
+            continue
+        yield write_batch(writer, capture, batch, rejections, done)
+        failpoint("dump.batch.done")
 
 
 def run_dump(cfg: DictConfig, llm=None) -> dict[str, Any]:
@@ -126,8 +174,8 @@ def run_dump(cfg: DictConfig, llm=None) -> dict[str, Any]:
                          cfg.rank, cfg.world_size)
     done = writer.done_sample_ids()
     read_stats = ReadStats()
-    todo = (c for c in load_conversations(cfg.data, cfg.split, read_stats)
-            if writer.owns(c.id) and c.id not in done)
+    # Done conversations stay in the stream: rounds and calls are cut as an uninterrupted run cut them.
+    owned = (c for c in load_conversations(cfg.data, cfg.split, read_stats) if writer.owns(c.id))
 
     spec = capture_spec(cfg.verifier)
     own_engine = llm is None
@@ -143,17 +191,21 @@ def run_dump(cfg: DictConfig, llm=None) -> dict[str, Any]:
             if own_engine:
                 llm = start_capture_engine(vdir, cfg.engine, spec, cfg.max_len)
             capture = HiddenStateCapture(llm, spec)
-            for batch in batched(todo, cfg.batch_size):
-                if cfg.regenerate.enabled:
+            for batch in batched(owned, cfg.batch_size):
+                todo = sum(c.id not in done for c in batch)
+                if not todo:
+                    continue
+                if cfg.regenerate.enabled:  # the whole round: the company its answers were decoded in
                     batch = regenerate(llm, tokenizer, batch, cfg.regenerate,
                                        cfg.verifier.end_of_turn, cfg.max_len)
-                samples = tokenize_batch(writer, tokenizer, batch, cfg, rejections)
-                tokens += write_batch(writer, capture, samples, rejections)
-                failpoint("dump.batch.done")
-                bar.update(len(batch))
-                elapsed = time.time() - start
-                bar.set_postfix(tok_s=f"{tokens / elapsed:.0f}",
-                                B_tok=f"{writer.bytes_per_token():.0f}" if writer.stats.tokens else "-")
+                samples = tokenize_batch(writer, tokenizer, batch, cfg, rejections, done)
+                for added in capture_round(writer, capture, samples, cfg.capture.max_batch_tokens,
+                                           rejections, done):
+                    tokens += added
+                    elapsed = time.time() - start
+                    bar.set_postfix(tok_s=f"{tokens / elapsed:.0f}",
+                                    B_tok=f"{writer.bytes_per_token():.0f}" if writer.stats.tokens else "-")
+                bar.update(todo)
     finally:
         bar.close()
         if own_engine and llm is not None:

@@ -156,3 +156,29 @@ def test_regenerating_the_first_turn_keeps_only_the_first_exchange(verifier_llm,
         assert new.messages[-1].content != old.messages[first_answer].content
 
 
+def test_a_dump_stopped_between_the_calls_of_a_round_resumes_to_the_uninterrupted_store(
+        tmp_path: Path, conversations_file: Path, verifier_llm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One round of 6 regenerated conversations captured in engine calls of at most 200 tokens,
+    shards closing after each call; the dump stops after its first call (a full disk at that point)
+    and resumes: the round is decoded and cut into calls as before, and the store equals that of an
+    uninterrupted dump bit for bit."""
+    import infra
+    from dump.pipeline import run_dump
+    from tools.faults import store_differences
+
+    def cfg(out: Path) -> DictConfig:
+        return dump_cfg(out, conversations_file, "batch_size=6", "capture.max_batch_tokens=200",
+                        "store.shard_bytes=1", "regenerate.max_tokens=16")
+
+    whole = run_dump(cfg(tmp_path / "whole"), llm=verifier_llm)
+    assert whole["samples_written"] == 6
+    monkeypatch.setenv(infra.FAILPOINTS_ENV, "dump.batch.done:1:enospc")
+    monkeypatch.setattr(infra, "_failpoint_hits", infra.Counter())
+    with pytest.raises(OSError, match="failpoint dump.batch.done"):
+        run_dump(cfg(tmp_path / "stopped"), llm=verifier_llm)
+    kept = len(StoreReader(tmp_path / "stopped"))
+    assert 0 < kept < 6, kept  # the first call's samples, committed
+    monkeypatch.delenv(infra.FAILPOINTS_ENV)
+    resumed = run_dump(cfg(tmp_path / "stopped"), llm=verifier_llm)
+    assert resumed["samples_already_done"] == kept and resumed["samples_written"] == 6 - kept
+    assert store_differences(tmp_path / "whole", tmp_path / "stopped") == []
