@@ -122,8 +122,11 @@ def measure_real(cfg: DictConfig, categories: list[Category], verifier: Path, dr
 
 # ---- 3. shards of the texts vLLM produced -------------------------------------------------
 def dump_texts(cfg: DictConfig, categories: list[Category], runs: dict[str, dict[str, Any]],
-               verifier: Path, run_dir: Path) -> dict[str, dict[str, Path]]:
-    """Stage 1's capture over prompt + each answer vLLM produced: <run>/stores/<category>/<mode>."""
+               verifier: Path, run_dir: Path, llm=None) -> dict[str, dict[str, Path]]:
+    """Stage 1's capture over prompt + each answer vLLM produced: <run>/stores/<category>/<mode>.
+
+    `llm`: a capture engine already running on the verifier with cfg.engine and cfg.max_len (tests
+    share one); else one is started and shut down at the end."""
     from data.template import TokenizedSample
     from dump.capture import HiddenStateCapture, capture_spec, start_capture_engine
     from dump.engine import shutdown_llm
@@ -131,7 +134,9 @@ def dump_texts(cfg: DictConfig, categories: list[Category], runs: dict[str, dict
 
     stores: dict[str, dict[str, Path]] = {}
     spec = capture_spec(cfg.verifier)
-    llm = start_capture_engine(verifier, cfg.engine, spec, int(cfg.max_len))
+    own_engine = llm is None
+    if own_engine:
+        llm = start_capture_engine(verifier, cfg.engine, spec, int(cfg.max_len))
     try:
         capture = HiddenStateCapture(llm, spec)
         for cat in categories:
@@ -154,7 +159,8 @@ def dump_texts(cfg: DictConfig, categories: list[Category], runs: dict[str, dict
                 writer.close()
                 stores.setdefault(cat.name, {})[mode] = path
     finally:
-        shutdown_llm(llm)
+        if own_engine:
+            shutdown_llm(llm)
     return stores
 
 
@@ -202,7 +208,9 @@ def proposal_method(draft_sample: str, draft_dir: Path) -> str:
     return "greedy" if pruned else "probabilistic"
 
 
-def evaluate_draft(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+def evaluate_draft(cfg: DictConfig, run_dir: Path, capture_llm=None) -> dict[str, Any]:
+    """The whole evaluation (steps 1-5) into run_dir. `capture_llm`: a running capture engine for
+    step 3 (see dump_texts); else one is started after the speculative engine is shut down."""
     from transformers import AutoTokenizer
 
     from evaluation import report
@@ -218,7 +226,7 @@ def evaluate_draft(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     categories = load_categories(cfg, tokenizer)
     began = time.perf_counter()
     runs = measure_real(cfg, categories, verifier, draft_dir, stop)
-    stores = dump_texts(cfg, categories, runs, verifier, run_dir)
+    stores = dump_texts(cfg, categories, runs, verifier, run_dir, capture_llm)
     sims = simulate_all(cfg, stores, verifier, draft_dir)
 
     results = {}

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -58,6 +60,47 @@ def verifier_llm(kimi_tiny_dir: Path, cpu_engine_cfg: DictConfig) -> Iterator[ob
     shutdown_llm(llm)
     del llm
     gc.collect()
+
+
+@contextmanager
+def in_process_vllm() -> Iterator[None]:
+    """Engines started inside run their engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0):
+    no engine-core and worker processes to spawn (each re-imports torch and vLLM: a multiprocess
+    engine takes several times as long to start on 2 cores), and forward hooks share this process's
+    memory. Undoes what such an engine leaves behind afterwards."""
+    import torch
+    import vllm.envs as envs
+
+    saved_env = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
+    envs.disable_envs_cache()   # an in-process engine caches vLLM's env vars for the whole process
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        yield
+    finally:
+        envs.disable_envs_cache()
+        if saved_env is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved_env
+        # vLLM's CPU worker lowers the torch threads and replaces torch.set_num_threads by a no-op.
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(threads)
+
+
+@contextmanager
+def one_math_thread() -> Iterator[None]:
+    """torch on one thread inside: on 2 cores shared with engine processes and other jobs, two
+    OpenMP threads wait on each other (measured on kimi-tiny's held-out forward: 51 s on one
+    thread, 176 s on two, the machine busy)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

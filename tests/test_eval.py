@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from infra import compose_config
+from tests.conftest import in_process_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -34,13 +35,19 @@ def test_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def evaluated(test_draft_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+def evaluated(test_draft_dir: Path, tmp_path_factory: pytest.TempPathFactory, verifier_llm) -> tuple[dict, Path]:
+    """`make eval` on the test draft. Its speculative engine runs in-process (the same engine core,
+    started without two process spawns); its capture step runs on the session's capture engine,
+    which is the one it would start: same engine config and max_len, checked here."""
     from evaluation.run import evaluate_draft
 
     run_dir = tmp_path_factory.mktemp("eval_run")
     cfg = compose_config("eval", [f"draft_dir={test_draft_dir}", f"num_prompts={NUM_PROMPTS}",
                                   f"max_tokens={MAX_TOKENS}"])
-    return evaluate_draft(cfg, run_dir), run_dir
+    dump_cfg = compose_config("dump")
+    assert (cfg.engine, cfg.verifier, cfg.max_len) == (dump_cfg.engine, dump_cfg.verifier, dump_cfg.max_len)
+    with in_process_vllm():
+        return evaluate_draft(cfg, run_dir, capture_llm=verifier_llm), run_dir
 
 
 def test_greedy_simulation_matches_vllm_per_category(evaluated) -> None:

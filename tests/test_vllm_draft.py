@@ -5,7 +5,8 @@ hooks on vLLM's own drafter (worker.model_runner.drafter.model, an
 Eagle3DeepseekV2ForCausalLM loaded from our export) record what it computes during a real
 generation: the aux states it combines (fc_norm, fc), the inputs of every draft step and its logits
 (vLLM's compute_logits, with the d2t scatter). This project's draft then runs on the same
-inputs. One engine at a time: a class-scoped fixture per draft, shut down at class end.
+inputs. One speculative engine at a time: a class-scoped fixture per draft, shut down at class
+end. The plain decoding they must reproduce comes from the session's verifier engine.
 
 The test draft is random except for fc, which starts as the selector of the last aux layer
 (the verifier's layer-5 input), so the draft begins as a perturbed early exit of the verifier
@@ -14,7 +15,6 @@ and gets some tokens accepted; the attention and MLP weights are random.
 from __future__ import annotations
 
 import gc
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 
 from evaluation.speculative import speculative_engine
 from model.checkpoint import draft_config_json, engine_captures, export_draft, load_draft
-from tests.conftest import plain_layer
+from tests.conftest import in_process_vllm, plain_layer
 from model.draft import DraftConfig, Eagle3Draft, build_draft, compose_draft_conf
 from model.vocab import build_draft_vocab, count_tokens
 
@@ -43,28 +43,6 @@ ATOL = 1e-4
 
 
 # ---- engines ------------------------------------------------------------------------------
-@contextmanager
-def in_process_vllm() -> Iterator[None]:
-    """Run the engine core in this process; undo what that leaves behind afterwards."""
-    import vllm.envs as envs
-
-    saved_env = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
-    envs.disable_envs_cache()   # an in-process engine caches vLLM's env vars for the whole process
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    try:
-        yield
-    finally:
-        envs.disable_envs_cache()
-        if saved_env is None:
-            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved_env
-        # vLLM's CPU worker lowers the torch threads and replaces torch.set_num_threads by a no-op.
-        torch.set_num_threads = set_num_threads
-        torch.set_num_threads(threads)
-
-
 def shutdown(llm) -> None:
     from dump.engine import shutdown_llm
 
@@ -159,15 +137,10 @@ def tiny_cfg(draft_verifier_dir: Path) -> DraftConfig:
 
 
 @pytest.fixture(scope="module")
-def plain_outputs(draft_verifier_dir: Path, cpu_engine_cfg: DictConfig) -> list[list[int]]:
-    """Greedy plain decoding of PROMPTS, from an engine that is shut down before the next starts."""
-    from dump.engine import make_llm
-
-    llm = make_llm(draft_verifier_dir, cpu_engine_cfg)
-    try:
-        return greedy(llm, PROMPTS)
-    finally:
-        shutdown(llm)
+def plain_outputs(verifier_llm) -> list[list[int]]:
+    """Greedy plain decoding of PROMPTS: the session's verifier engine (conf/engine/cpu.yaml, no
+    draft; its aux outputs leave the logits as they are), so no engine is started for it."""
+    return greedy(verifier_llm, PROMPTS)
 
 
 def compare_first_round(llm, record: DrafterRecord, ours: Eagle3Draft, prompt: str) -> torch.Tensor:
