@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -184,9 +184,10 @@ def dump_command(out: Path, overrides: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "dump", f"output_dir={out}", *overrides, f"hydra.run.dir={hydra_dir}"]
 
 
-def run_killed(command: list[str], store: Path, point: str, hit: int, timeout: float) -> str:
+def run_killed(command: list[str], store: Path, point: str, hit: int, timeout: float,
+               extra_env: Mapping[str, str] | None = None) -> str:
     """Run the dump with one kill armed; "killed" or "finished". Its process group goes with it."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **(extra_env or {}), "PYTHONUNBUFFERED": "1"}
     if point != "time":
         env[infra.FAILPOINTS_ENV] = f"{point}:{hit}:kill"
     proc = subprocess.Popen(command, cwd=infra.REPO_ROOT, env=env, start_new_session=True,
@@ -230,15 +231,16 @@ def _samples(store: Path) -> int:
     return len(StoreReader(store)) if (store / STORE_META).exists() else 0
 
 
-def kill_chain(out: Path, overrides: Sequence[str], n: int, seed: int, timeout: float = 900
-               ) -> list[Kill]:
-    """n kills of a dump into `out`, each run resuming the one before, then a run to the end."""
+def kill_chain(out: Path, overrides: Sequence[str], n: int, seed: int, timeout: float = 900,
+               extra_env: Mapping[str, str] | None = None) -> list[Kill]:
+    """n kills of a dump into `out`, each run resuming the one before, then a run to the end.
+    extra_env: added to the environment of every dump process."""
     command = dump_command(out, overrides)
     kills = []
     for point, hit in kill_plan(n, seed):
-        outcome = run_killed(command, out, point, hit, timeout)
+        outcome = run_killed(command, out, point, hit, timeout, extra_env)
         kills.append(Kill(point, hit, outcome, _samples(out)))
-    subprocess.run(command, cwd=infra.REPO_ROOT, check=True, timeout=timeout,
+    subprocess.run(command, cwd=infra.REPO_ROOT, check=True, timeout=timeout, env={**os.environ, **(extra_env or {})},
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return kills
 
