@@ -4,7 +4,9 @@ REPO_ROOT and CONF_DIR (the one Hydra config folder); `resolve` for config paths
 to the repository; `configure_environment()`, which each entry point (`python -m dump`, `-m train`,
 `-m evaluation`, tools, benchmarks, the test suite) calls before transformers, huggingface_hub or
 vLLM are imported; `compose_config` for the configs outside an entry point; `failpoint`, the named
-places where the fault suite makes a process die or fail. Importing this module changes nothing.
+places where the fault suite makes a process die or fail; `cpu_flags`, the CPU's instruction-set
+features, on which the CPU engine's attention backend and the trainer's precision depend.
+Importing this module changes nothing.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import errno
 import os
 import signal
 from collections import Counter
+from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -113,3 +116,23 @@ def process_memory_bytes(field: str = "VmRSS") -> int | None:
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     return None
+
+
+def parse_cpu_flags(cpuinfo: str) -> frozenset[str]:
+    """The feature flags of the first processor in /proc/cpuinfo text (x86: the `flags` line;
+    aarch64: `Features`); empty when there is none."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    """This machine's CPU feature flags (e.g. amx_tile, amx_bf16, avx512_bf16), read once;
+    empty where /proc/cpuinfo is missing (not Linux), which every caller treats as "no such unit"."""
+    try:
+        return parse_cpu_flags(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return frozenset()

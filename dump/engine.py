@@ -1,17 +1,121 @@
-"""The one place a vLLM engine is built from config (verifier folder + conf/engine/*)."""
+"""The one place a vLLM engine is built from config (verifier folder + conf/engine/*).
+
+MLA attention on vLLM's CPU platform. vLLM 0.32 (vllm/platforms/cpu.py,
+CpuPlatform.get_attn_backend_cls) gives every MLA model its AMX_MLA backend when the CPU has AMX
+tiles (`torch.cpu._is_amx_tile_supported()`) unless CPU_MLA is asked for by name, and AMX_MLA
+takes bf16 only (vllm/v1/attention/backends/mla/amx_mla.py, AMXMLABackend.supported_dtypes; with
+fp32 weights it dies while loading: "expect weight to be bfloat16, ..."). CPU_MLA, the reference
+backend (mla/cpu_mla.py, CPUMLABackend), takes fp32, bf16 and fp16 on any CPU. So on a CPU the
+backend follows from the dtype and the CPU's flags (`cpu_attention_backend`), and it is named for
+the verifier (LLM's `attention_backend`, vllm/engine/arg_utils.py EngineArgs.attention_backend ->
+attention_config.backend) and for the draft (`speculative_config["attention_backend"]`,
+vllm/config/speculative.py SpeculativeConfig.attention_backend): the EAGLE proposer never
+inherits the verifier's backend and selects its own unless this field names one
+(vllm/v1/spec_decode/llm_base_proposer.py, _create_draft_vllm_config).
+"""
 from __future__ import annotations
 
 import os
+from collections.abc import Set
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+# vLLM's MLA backends on its CPU platform (AttentionBackendEnum names, vllm/v1/attention/backends/
+# registry.py) and the model dtypes each one's `supported_dtypes` lists.
+CPU_MLA_DTYPES: dict[str, tuple[str, ...]] = {
+    "CPU_MLA": ("float32", "bfloat16", "float16"),
+    "AMX_MLA": ("bfloat16",),
+}
+# vLLM's dtype names (vllm/config/model.py, _STR_DTYPE_TO_TORCH_DTYPE), by their canonical name.
+DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16",
+               "float16": "float16", "half": "float16"}
+# AMX_MLA runs tile kernels in bf16: the CPU needs both (Linux /proc/cpuinfo flag names).
+AMX_FLAGS = ("amx_tile", "amx_bf16")
 
-def engine_kwargs(engine: DictConfig) -> dict[str, Any]:
-    """LLM(...) keyword arguments from an engine config; None values are left to vLLM."""
+
+def has_amx(cpu_flags: Set[str]) -> bool:
+    """Whether the CPU has the AMX units AMX_MLA runs on."""
+    return all(f in cpu_flags for f in AMX_FLAGS)
+
+
+def vllm_cpu_mla_choice(cpu_flags: Set[str]) -> str:
+    """The MLA backend vLLM's CPU platform picks when none is named: AMX_MLA wherever it sees AMX
+    tiles (get_attn_backend_cls), CPU_MLA elsewhere."""
+    return "AMX_MLA" if "amx_tile" in cpu_flags else "CPU_MLA"
+
+
+def canonical_dtype(dtype: str) -> str:
+    """engine.dtype as float32 | bfloat16 | float16; `auto` and unknown names are refused, since on a
+    CPU the attention backend depends on the dtype."""
+    name = DTYPE_NAMES.get(str(dtype).lower())
+    if name is None:
+        raise ValueError(f"engine.dtype {dtype!r}: a CPU engine needs one of {', '.join(DTYPE_NAMES)} "
+                         "(its MLA attention backend depends on it)")
+    return name
+
+
+def cpu_attention_backend(cpu_flags: Set[str], dtype: str, requested: str | None) -> str:
+    """The MLA attention backend a CPU engine runs with the model in `dtype`.
+
+    requested (engine.attention_backend): `auto` = AMX_MLA for bf16 on a CPU with AMX, else CPU_MLA
+    (the only one that takes fp32 / fp16, and the only one without AMX); a backend name = that one,
+    refused here, before any engine starts, if it cannot run this dtype on this CPU; None = vLLM's
+    own choice (`vllm_cpu_mla_choice`), refused likewise where it would fail."""
+    dtype = canonical_dtype(dtype)
+    if requested is None:
+        choice, what = vllm_cpu_mla_choice(cpu_flags), "vLLM's own choice (engine.attention_backend: null)"
+    elif str(requested).lower() == "auto":
+        return "AMX_MLA" if dtype == "bfloat16" and has_amx(cpu_flags) else "CPU_MLA"
+    else:
+        choice, what = str(requested).upper(), f"engine.attention_backend {requested!r}"
+    if choice not in CPU_MLA_DTYPES:
+        raise ValueError(f"{what}: vLLM's CPU platform runs MLA with {' or '.join(CPU_MLA_DTYPES)} only "
+                         "(or auto: the one that works with engine.dtype here)")
+    if choice == "AMX_MLA" and not has_amx(cpu_flags):
+        raise ValueError(f"{what}: AMX_MLA needs a CPU with {' and '.join(AMX_FLAGS)} in /proc/cpuinfo, "
+                         "this one has not; use auto or CPU_MLA")
+    if dtype not in CPU_MLA_DTYPES[choice]:
+        raise ValueError(f"{what} is {choice}, which takes {' / '.join(CPU_MLA_DTYPES[choice])} weights, "
+                         f"not engine.dtype {dtype}: use engine.attention_backend=auto or CPU_MLA, or "
+                         "engine.dtype=bfloat16")
+    return choice
+
+
+def attention_backend(engine: DictConfig, on_cpu: bool | None = None,
+                      cpu_flags: Set[str] | None = None) -> str | None:
+    """The MLA attention backend to name for the verifier and its draft; None leaves it to vLLM.
+
+    On vLLM's CPU platform (on_cpu; default: vllm.platforms.current_platform) it is
+    `cpu_attention_backend` on this CPU's flags (default: infra.cpu_flags()). Elsewhere
+    engine.attention_backend is passed as written, `auto` and null meaning vLLM's own choice."""
+    requested = engine.get("attention_backend")
+    if on_cpu is None:
+        on_cpu = _vllm_on_cpu()
+    if not on_cpu:
+        return None if requested is None or str(requested).lower() == "auto" else str(requested)
+    if cpu_flags is None:
+        from infra import cpu_flags as read_flags
+
+        cpu_flags = read_flags()
+    backend = cpu_attention_backend(cpu_flags, engine.dtype, requested)
+    return None if requested is None else backend
+
+
+def _vllm_on_cpu() -> bool:
+    from vllm.platforms import current_platform  # late: vLLM is heavy
+
+    return bool(current_platform.is_cpu())
+
+
+def engine_kwargs(engine: DictConfig, on_cpu: bool | None = None,
+                  cpu_flags: Set[str] | None = None) -> dict[str, Any]:
+    """LLM(...) keyword arguments from an engine config; None values are left to vLLM. on_cpu and
+    cpu_flags as in `attention_backend` (defaults: this machine)."""
     kwargs: dict[str, Any] = {
         "dtype": engine.dtype,
+        "attention_backend": attention_backend(engine, on_cpu, cpu_flags),
         "tensor_parallel_size": engine.tensor_parallel_size,
         "pipeline_parallel_size": engine.pipeline_parallel_size,
         "distributed_executor_backend": engine.distributed_executor_backend,

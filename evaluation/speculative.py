@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -97,13 +97,29 @@ def _patch_expand(worker) -> bool:
     return patch_expand_kernel()
 
 
+def speculative_config(engine_cfg: DictConfig, draft_dir: Path, num_speculative_tokens: int, draft_sample: str,
+                       on_cpu: bool | None = None, cpu_flags: Set[str] | None = None) -> dict[str, object]:
+    """vLLM's speculative_config for the draft. The draft runs the verifier's attention backend
+    (dump.engine.attention_backend; on_cpu / cpu_flags default to this machine): vLLM's EAGLE
+    proposer does not inherit it and, on a CPU with AMX, would give the draft AMX_MLA whatever
+    its dtype (vllm/v1/spec_decode/llm_base_proposer.py, _create_draft_vllm_config)."""
+    from dump.engine import attention_backend
+
+    speculative: dict[str, object] = {"method": "eagle3", "model": str(draft_dir),
+                                      "num_speculative_tokens": num_speculative_tokens,
+                                      "draft_sample_method": draft_sample}
+    backend = attention_backend(engine_cfg, on_cpu, cpu_flags)
+    if backend is not None:
+        speculative["attention_backend"] = backend
+    return speculative
+
+
 def speculative_engine(verifier_dir: Path, engine_cfg: DictConfig, draft_dir: Path, num_speculative_tokens: int,
                        draft_sample: str, max_model_len: int):
     """A vLLM engine on the verifier with the draft as its EAGLE-3 speculator (stats on)."""
     from dump.engine import make_llm
 
-    speculative = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": num_speculative_tokens,
-                   "draft_sample_method": draft_sample}
+    speculative = speculative_config(engine_cfg, draft_dir, num_speculative_tokens, draft_sample)
     llm = make_llm(verifier_dir, engine_cfg, speculative_config=speculative, disable_log_stats=False,
                    max_model_len=max_model_len)
     if any(llm.collective_rpc(_patch_expand)):
