@@ -35,7 +35,7 @@ from infra import failpoint, resolve
 from model.verifier import verifier_dir
 from model.verifier_weights import read_verifier_head
 from store import StoreWriter, verifier_identity
-from train.batches import pack_next_fit
+from data.packing import pack_next_fit
 
 
 T = TypeVar("T")
@@ -68,7 +68,7 @@ def batched(items: Iterable[T], size: int) -> Iterator[list[T]]:
 def token_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     """Indices of consecutive items grouped into batches of at most max_tokens tokens, in order;
     an item longer than max_tokens is a batch of its own: the next-fit grouping the trainer packs
-    rows with (train/batches.py pack_next_fit)."""
+    rows with (data/packing.py pack_next_fit)."""
     if max_tokens < 1:
         raise ValueError(f"capture.max_batch_tokens must be positive, got {max_tokens}")
     return pack_next_fit(lengths, max_tokens)

@@ -1,5 +1,8 @@
 """THE draft checkpoint contract: one Eagle3DeepseekV2ForCausalLM folder for vLLM, SGLang and
-TokenSpeed, both ways (export, and import of drafts other tools published).
+TokenSpeed, both ways (export, and import of drafts other tools published). The module is
+over 500 lines because the contract has one owner: each engine's reading rule (aux ids, tensor
+names, switches) sits beside the writer and the importer that must agree with it, so no rule is
+stated twice.
 
 A draft folder holds config.json + model.safetensors, read by
 vllm/model_executor/models/deepseek_eagle3.py (vLLM 0.32) like this:

@@ -60,6 +60,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from data.conversations import is_held_out, sharegpt_split_key
+from data.packing import pack_next_fit  # noqa: F401 (the trainer's row packing; tests import it here)
 from model.aux_ids import to_vllm_aux_ids
 from model.draft import DraftConfig
 from store import LEGACY_AUX_CAPTURE, Sample, SampleRef, StoreMismatchError, StoreReader, verifier_identity
@@ -123,25 +124,7 @@ def split_samples(refs: Sequence[SampleRef], fraction: float, seed: int,
     return train, heldout
 
 
-# ---- packing -----------------------------------------------------------------------------
-def pack_next_fit(lengths: Sequence[int], max_len: int) -> list[list[int]]:
-    """Indices into `lengths`, in order, grouped into rows of at most max_len tokens (each length
-    counted as min(length, max_len)); a row closes when the next sample does not fit."""
-    rows: list[list[int]] = []
-    row: list[int] = []
-    used = 0
-    for i, n in enumerate(lengths):
-        n = min(n, max_len)
-        if row and used + n > max_len:
-            rows.append(row)
-            row, used = [], 0
-        row.append(i)
-        used += n
-    if row:
-        rows.append(row)
-    return rows
-
-
+# ---- packing (rows: data/packing.py pack_next_fit) ---------------------------------------
 class RowStream:
     """The endless stream of training rows: epoch after epoch, each shuffled with (seed, epoch)."""
 
