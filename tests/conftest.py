@@ -88,21 +88,6 @@ def in_process_vllm() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-@contextmanager
-def one_math_thread() -> Iterator[None]:
-    """torch on one thread inside: on 2 cores shared with engine processes and other jobs, two
-    OpenMP threads wait on each other (measured on kimi-tiny's held-out forward: 51 s on one
-    thread, 176 s on two, the machine busy)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="session")
 def draft_verifier_dir(kimi_tiny_dir: Path) -> Path:
     """The verifier folder the draft tests build against: the shipped kimi-tiny."""
