@@ -42,7 +42,7 @@ verifier: setup
 	$(PY) -m tools.build_verifier $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q --durations=15 $(ARGS)
 
 # `make faults [N=20]`: the fault-injection suite (tests marked `faults`: kills of the dump, the
 # store writer and the trainer at N seeded points each, flipped bits in every kind of file, full
