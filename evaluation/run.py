@@ -130,7 +130,7 @@ def dump_texts(cfg: DictConfig, categories: list[Category], runs: dict[str, dict
     from data.template import TokenizedSample
     from dump.capture import HiddenStateCapture, capture_spec, start_capture_engine
     from dump.engine import shutdown_llm
-    from dump.pipeline import batched, open_writer, write_batch
+    from dump.pipeline import open_writer, token_batches, write_batch
 
     stores: dict[str, dict[str, Path]] = {}
     spec = capture_spec(cfg.verifier)
@@ -154,8 +154,9 @@ def dump_texts(cfg: DictConfig, categories: list[Category], runs: dict[str, dict
                     mask = np.arange(len(ids)) >= len(prompt.ids)
                     if prompt.id not in done and mask.any():
                         samples.append(TokenizedSample(prompt.id, cat.name, ids, mask))
-                for batch in batched(samples, int(cfg.engine.max_num_seqs)):
-                    write_batch(writer, capture, batch)
+                lengths = [len(s.input_ids) for s in samples]
+                for call in token_batches(lengths, int(cfg.capture.max_batch_tokens)):
+                    write_batch(writer, capture, [samples[i] for i in call])
                 writer.close()
                 stores.setdefault(cat.name, {})[mode] = path
     finally:

@@ -210,7 +210,10 @@ def test_peak_rss_of_a_dump_follows_the_token_budget(verifier_llm, tmp_path: Pat
           f"tokens; peak RSS rise {rises[small] / 2**20:.1f} MiB vs {rises[large] / 2**20:.1f} MiB; "
           f"difference {(rises[large] - rises[small]) / 2**20:.1f} MiB, expected {expected / 2**20:.1f} MiB")
     assert expected > 100 * 2**20                             # well above the processes' noise
-    assert 0.7 * expected <= rises[large] - rises[small] <= 1.4 * expected
+    # The plan counts tensors, not allocator slack: the dump process's glibc arenas hold up to ~1.5x
+    # its planned copies, more after other engines ran in this process (1.50x measured after
+    # tests/test_eval.py's in-process engine, 1.13x without).
+    assert 0.7 * expected <= rises[large] - rises[small] <= 1.6 * expected
 
 
 # ---- preemption --------------------------------------------------------------------------------
