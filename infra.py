@@ -5,7 +5,7 @@ to the repository; `configure_environment()`, which each entry point (`python -m
 `-m evaluation`, tools, benchmarks, the test suite) calls before transformers, huggingface_hub or
 vLLM are imported; `compose_config` for the configs outside an entry point; `failpoint`, the named
 places where the fault suite makes a process die or fail; `cpu_flags`, the CPU's instruction-set
-features, on which the CPU engine's attention backend and the trainer's precision depend.
+features, on which the CPU engine's attention backend depends.
 Importing this module changes nothing.
 """
 from __future__ import annotations

@@ -462,6 +462,7 @@ def _check_complete(req_id: str, index: int, length: int, rows: dict[str, Any]) 
                  "the capture was not armed (another caller of the same engine)")
     raise RuntimeError(f"{what}; {cause}")
 
+
 def _one_keeper(per_worker: list[Any]) -> Any:
     kept = [r for r in per_worker if r is not None]
     if len(kept) != 1:

@@ -50,14 +50,10 @@ from typing import Any
 from omegaconf import DictConfig
 
 from dump.capture import PIECE_BYTES, capture_spec
+from store.format import StorageSettings
 
 GIB = 1024**3
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
-# Bytes per value (aux) and per row (final) of each store encoding (store/encoding.py): fp8 keeps
-# a float32 scale per token and layer, fp4 a bf16 scale per fp4_block values, topk an int32 id and
-# a float16 log-probability per kept token.
-AUX_VALUE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0, "fp4": 0.5}
-TOKEN_ID_AND_MASK_BYTES = 4 + 1
 WORKER = "keeping worker (TP 0, last PP stage)"
 RELAY = "engine core (relays the pieces)"
 DUMP = "dump process"
@@ -93,20 +89,6 @@ class CallSpec:
         return (self.num_aux + 1) * self.hidden_size * DTYPE_BYTES[self.dtype]
 
 
-def stored_bytes_per_token(store: DictConfig, hidden_size: int, num_aux: int) -> float:
-    """Bytes the store writer buffers per token before compression, final state on every row."""
-    aux = store.aux
-    if aux not in AUX_VALUE_BYTES:
-        raise ValueError(f"store.aux {aux!r}: one of {sorted(AUX_VALUE_BYTES)}")
-    per_value = AUX_VALUE_BYTES[aux]
-    scales = {"fp8": 4 / hidden_size, "fp4": 2 / int(store.get("fp4_block", 32))}.get(aux, 0.0)
-    final = {"fp32": 4.0 * hidden_size, "bf16": 2.0 * hidden_size,
-             "topk": 6.0 * int(store.get("topk", 32))}.get(store.final)
-    if final is None:
-        raise ValueError(f"store.final {store.final!r}: one of fp32, bf16, topk")
-    return TOKEN_ID_AND_MASK_BYTES + num_aux * hidden_size * (per_value + scales) + final
-
-
 def call_spec(cfg: DictConfig) -> CallSpec:
     """The CallSpec of a composed conf/dump.yaml (its verifier, engine and store nodes)."""
     engine, verifier = cfg.engine, cfg.verifier
@@ -126,7 +108,7 @@ def call_spec(cfg: DictConfig) -> CallSpec:
         max_num_batched_tokens=int(engine.max_num_batched_tokens),
         gpu_memory_utilization=None if utilization is None else float(utilization),
         piece_bytes=PIECE_BYTES, shard_bytes=int(cfg.store.shard_bytes),
-        stored_bytes_per_token=stored_bytes_per_token(cfg.store, hidden, num_aux))
+        stored_bytes_per_token=StorageSettings.from_cfg(cfg.store).raw_bytes_per_token(hidden, num_aux))
 
 
 def _executor(engine: DictConfig, workers: int) -> str:

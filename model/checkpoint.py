@@ -426,9 +426,10 @@ def draft_config_from_json(d: dict[str, Any], source: str | Path = CONFIG_FILE,
 
 
 # ---- what each engine's loader needs from model.safetensors --------------------------------
-# rule(config.json, tensor names as stored, the draft config read from it) -> what goes wrong
-# when that engine loads the folder ([]: it loads and computes the draft as trained).
-LoadRule = Callable[[dict[str, Any], set[str], DraftConfig], list[str]]
+# rule(config.json, tensor names as stored) -> what else goes wrong when that engine loads the
+# folder, besides tensors the draft's modules lack or do not have, which every engine's loader
+# refuses or leaves uninitialised alike (`_missing_or_unknown`, checked once for all of them).
+LoadRule = Callable[[dict[str, Any], set[str]], list[str]]
 
 
 def our_name(name: str) -> str:
@@ -464,27 +465,27 @@ def _unread_switch(config: dict[str, Any]) -> list[str]:
             if config.get("norm_before_residual") else [])
 
 
-def vllm_loads(config: dict[str, Any], names: set[str], cfg: DraftConfig) -> list[str]:
+def vllm_loads(config: dict[str, Any], names: set[str]) -> list[str]:
     """vLLM 0.32.0, vllm/model_executor/models/deepseek_eagle3.py: Eagle3DeepseekV2ForCausalLM
     .load_weights (skips t2d, reads d2t, embed_tokens optional: the target's is shared when
     absent), DeepseekV2Eagle3Model.hf_to_vllm_mapper (midlayer. -> layers.0.), fc_norm.{i} only
     with `fc_norm` (DeepseekV2Eagle3Model.__init__); a name without a parameter raises
     (vllm/model_executor/models/utils.py, AutoWeightsLoader._load_module). All three switches read."""
-    return _missing_or_unknown(names, cfg)
+    return []
 
 
-def sglang_loads(config: dict[str, Any], names: set[str], cfg: DraftConfig) -> list[str]:
+def sglang_loads(config: dict[str, Any], names: set[str]) -> list[str]:
     """SGLang (sgl-project/sglang python/sglang/srt/models/kimi_k25_eagle3.py at 054a1cef, the Kimi
     MLA draft of PR #26506): Eagle3DeepseekV2ForCausalLM.load_weights (layers.0. -> midlayer., d2t -> hot
     token ids, t2d skipped, unknown names skipped with a warning); Eagle3MLADecoderLayer refuses
     q_lora_rank null; Eagle3MLAModel reads fc_norm and norm_output, never norm_before_residual."""
-    problems = _missing_or_unknown(names, cfg) + _unread_switch(config)
+    problems = _unread_switch(config)
     if config.get("q_lora_rank") is None:
         problems.append("refuses q_lora_rank null (Eagle3MLADecoderLayer needs the low-rank q)")
     return problems
 
 
-def tokenspeed_loads(config: dict[str, Any], names: set[str], cfg: DraftConfig) -> list[str]:
+def tokenspeed_loads(config: dict[str, Any], names: set[str]) -> list[str]:
     """TokenSpeed 0.1.0 (lightseekorg/tokenspeed f4d8ec6e), python/tokenspeed/runtime/models/
     deepseek_v3.py: Eagle3DeepseekV2ForCausalLM.load_weights (layers.0. -> midlayer., d2t, t2d
     skipped), Eagle3MlaModel reads fc_norm and norm_output (commit 6b0b578a), never
@@ -493,7 +494,7 @@ def tokenspeed_loads(config: dict[str, Any], names: set[str], cfg: DraftConfig) 
     DeepSeek-V3 target's embedding is replicated too (DeepseekV3Model.__init__), Kimi-K3's is
     sharded over attention TP (runtime/models/kimi_k3.py, KimiLinearModel.__init__; the public
     K3 recipes run TP 8), so a K3 folder without embed_tokens.weight fails at load."""
-    problems = _missing_or_unknown(names, cfg) + _unread_switch(config)
+    problems = _unread_switch(config)
     if needs_embedding(config.get(TARGET_KEY) or DEEPSEEK_V3) and EMBED not in names:
         problems.append(f"needs {EMBED} on a Kimi-K3 target (it cannot share K3's TP-sharded embedding) "
                         "and raises at load without it")
@@ -506,7 +507,8 @@ LOAD_RULES: dict[str, LoadRule] = {"vllm": vllm_loads, "sglang": sglang_loads, "
 def engine_load_problems(config: dict[str, Any], names: Iterable[str], cfg: DraftConfig) -> dict[str, list[str]]:
     """Engine -> what goes wrong when it loads a folder with this config.json and these tensors."""
     stored = set(names)
-    return {engine: rule(config, stored, cfg) for engine, rule in LOAD_RULES.items()}
+    tensors = _missing_or_unknown(stored, cfg)
+    return {engine: tensors + rule(config, stored) for engine, rule in LOAD_RULES.items()}
 
 
 # ---- weights ----------------------------------------------------------------------------

@@ -160,6 +160,14 @@ class StorageSettings:
             raise ValueError("target_chunk_bytes and shard_bytes must be positive")
         return settings
 
+    def raw_bytes_per_token(self, hidden_size: int, num_aux: int) -> float:
+        """Bytes a writer buffers per token before compression (the arrays above at their stored
+        widths), the final side on every row: an upper bound where final_rows is loss."""
+        per_value = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0, "fp4": 0.5}[self.aux]
+        scales = {"fp8": 4 / hidden_size, "fp4": 2 / self.fp4_block}.get(self.aux, 0.0)
+        final = {"fp32": 4.0 * hidden_size, "bf16": 2.0 * hidden_size, "topk": (4 + 2) * self.topk}[self.final]
+        return (4 + 1) + num_aux * hidden_size * (per_value + scales) + final   # + int32 id, bool mask
+
     @classmethod
     def from_record(cls, storage: Mapping[str, Any], format_version: int) -> StorageSettings:
         """The settings store.json (or a shard's attributes) records; formats 1 and 2 had one

@@ -71,7 +71,7 @@ def export_main(argv: list[str]) -> int:
     import torch
     from safetensors.torch import load_file
 
-    from model.checkpoint import KIMI_K3, draft_config_from_json, export_draft
+    from model.checkpoint import draft_config_from_json, export_draft, needs_embedding
     from train.engine import consolidated_checkpoint_state, draft_from_state, resolve_resume
     from train.loop import DRAFT_CONFIG, EXPORT_DIR, VOCAB
 
@@ -90,9 +90,10 @@ def export_main(argv: list[str]) -> int:
     d2t = load_file(str(run_dir / VOCAB))["d2t"] if (run_dir / VOCAB).exists() else None
     draft = draft_from_state(cfg, consolidated_checkpoint_state(folder), d2t)
     verifier = args.verifier or _run_verifier(run_dir)
-    if verifier is None and cfg.target_model_type == KIMI_K3:
-        print(f"python -m train export: {run_dir} names no verifier (no .hydra/config.yaml) and a Kimi-K3 "
-              "export ships the verifier's embedding: pass --verifier <folder>", file=sys.stderr)
+    if verifier is None and needs_embedding(cfg.target_model_type):
+        print(f"python -m train export: {run_dir} names no verifier (no .hydra/config.yaml) and a "
+              f"{cfg.target_model_type} export ships the verifier's embedding: pass --verifier <folder>",
+              file=sys.stderr)
         return 2
     out = export_draft(draft, args.out or folder / EXPORT_DIR, getattr(torch, args.dtype), verifier_dir=verifier)
     print(f"exported {folder} -> {out}")

@@ -60,7 +60,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from data.conversations import is_held_out, sharegpt_split_key
-from data.packing import pack_next_fit  # noqa: F401 (the trainer's row packing; tests import it here)
+from data.packing import pack_next_fit
 from model.aux_ids import to_vllm_aux_ids
 from model.draft import DraftConfig
 from store import LEGACY_AUX_CAPTURE, Sample, SampleRef, StoreMismatchError, StoreReader, verifier_identity
@@ -137,9 +137,6 @@ class RowStream:
 
     def epoch(self, e: int) -> list[list[int]]:
         """The rows (sample indices) of epoch e, in stream order."""
-        return self._epoch(e)
-
-    def _epoch(self, e: int) -> list[list[int]]:
         while len(self._epochs) <= e:
             order = list(range(len(self.lengths)))
             random.Random(f"{self.seed}:{len(self._epochs)}").shuffle(order)
@@ -152,7 +149,7 @@ class RowStream:
         """(epoch, sample indices) of stream row i."""
         e = 0
         while True:
-            rows = self._epoch(e)
+            rows = self.epoch(e)
             if i < self._starts[e + 1]:
                 return e, rows[i - self._starts[e]]
             e += 1
