@@ -33,7 +33,8 @@ def write_reference_store(path: Path, samples: int, max_len: int) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a shared machine's cores: OpenMP threads that lose theirs wait on each other
     with writer, torch.no_grad():
-        for conv in load_conversations({**dump.data, "max_samples": None}, "train"):
+        # The file's order, not the default's code mix: the same samples whatever that mix becomes.
+        for conv in load_conversations({**dump.data, "max_samples": None, "select": None}, "train"):
             try:
                 sample = tokenize_conversation(tokenizer, conv, max_len, "truncate")
             except SampleRejected:

@@ -15,12 +15,14 @@ from data.conversations import (
     Message,
     ReadStats,
     RecordError,
+    first_user_text,
     is_held_out,
     load_conversations,
     read_conversations,
     read_humaneval,
     read_messages_jsonl,
     read_sharegpt,
+    select_share,
     sharegpt_default_path,
     sharegpt_split_key,
 )
@@ -465,3 +467,49 @@ def test_read_stats_name_the_first_skipped_records_and_count_the_rest(tmp_path, 
     list(read_messages_jsonl(MESSAGES_FIXTURE, "skip", stats))
     assert stats.skipped == len(MESSAGES_BAD)
     assert [(e.line, e.reason) for e in stats.errors] == [(3, "bad json"), (4, "wrong nesting")]
+
+
+def _conversations(first_turns: list[str]) -> list[Conversation]:
+    return [Conversation(f"c{i}", (Message("user", text), Message("assistant", "a"))) for i, text in enumerate(first_turns)]
+
+
+def test_select_share_interleaves_the_two_sides_in_file_order():
+    convs = _conversations(["def f(): pass" if i % 5 == 0 else "hello" for i in range(100)])
+    picked = list(select_share(iter(convs), r"\bdef ", 0.5, 10))
+    matching = [c.id for c in picked if c.messages[0].content.startswith("def")]
+    assert len(picked) == 10 and len(matching) == 5
+    assert matching == ["c0", "c5", "c10", "c15", "c20"]                       # file order per side
+    assert [c.id for c in picked if c.id not in matching] == ["c1", "c2", "c3", "c4", "c6"]
+    # Every prefix keeps the share within one conversation (a capped or interrupted dump has it).
+    for n in range(1, 11):
+        share = sum(c.id in matching for c in picked[:n]) / n
+        assert abs(share - 0.5) <= 1 / n
+
+
+def test_select_share_fills_from_the_other_side_when_one_runs_out(caplog):
+    convs = _conversations(["code here" if i < 3 else "prose" for i in range(20)])
+    with caplog.at_level(logging.WARNING, logger="data.conversations"):
+        picked = list(select_share(iter(convs), "code", 0.5, 12))
+    assert len(picked) == 12 and sum("code" in c.messages[0].content for c in picked) == 3
+    assert "fewer matching conversations" in caplog.text
+    assert len(list(select_share(iter(convs), "code", 0.5, 40))) == 20        # the file ran out
+
+
+def test_select_share_refuses_bad_settings():
+    convs = _conversations(["x"])
+    with pytest.raises(ValueError, match=r"share must be in \[0, 1\]"):
+        list(select_share(iter(convs), "x", 1.5, 4))
+    with pytest.raises(ValueError, match="needs data.max_samples"):
+        list(select_share(iter(convs), "x", 0.5, None))
+    with pytest.raises(ValueError, match="is not a regex"):
+        list(select_share(iter(convs), "(", 0.5, 4))
+    assert [c.id for c in select_share(iter(convs), "x", 1.0, None)] == ["c0"]   # share 1: a filter
+
+
+def test_select_from_the_config_on_the_packaged_file():
+    cfg = compose_config("dump", ["data=sharegpt", "data.max_samples=40",
+                                  "data.select={pattern: python, share: 0.25}"]).data
+    picked = list(load_conversations(cfg, "train"))
+    hits = [c for c in picked if "python" in first_user_text(c).lower()]
+    assert len(picked) == 40 and len(hits) == 10
+    assert not any(is_held_out(sharegpt_split_key(c.id), 0.02) for c in picked)   # the split still holds
