@@ -91,6 +91,14 @@ VARIANTS = [
     Variant("train_head", "train_norm", ("draft.train_head=true",), "trainable lm_head too"),
     # What this checkout ships: conf/train.yaml and conf/draft as they are (no lever overrides).
     Variant("after", None, (), "today's defaults (conf/train.yaml, conf/draft/kimi_tiny.yaml)"),
+    # The issue-21 rungs: the defaults before it (fp32 on every CPU, free micro-batch lengths), and
+    # the acceptance terms on today's defaults; a second seed of what is kept.
+    Variant("fp32-free", None, ("train.precision=fp32", "train.pad_multiple=1"),
+            "the defaults before: fp32 on every CPU, micro-batch lengths free"),
+    Variant("tv", "after", ("train.loss.acceptance=tv",), "+ total variation 1 - sum min(p, q)"),
+    Variant("lk", "after", ("train.loss.acceptance=lk",), "+ -log sum min(p, q)"),
+    Variant("after-seed1", "after", ("seed=1",), "today's defaults, seed 1"),
+    Variant("fp32-free-seed1", "fp32-free", ("seed=1",), "the defaults before, seed 1"),
 ]
 BY_NAME = {v.name: v for v in VARIANTS}
 

@@ -131,3 +131,11 @@ def test_vllm_takes_the_backend_for_verifier_and_draft(kimi_tiny_dir: Path, tmp_
                                   use_mla=True)
     path = current_platform.get_attn_backend_cls(AttentionBackendEnum[chosen], mla)
     assert path == AttentionBackendEnum[chosen].get_path()
+
+
+def test_precision_auto_is_bf16_where_the_cpu_has_bf16_units() -> None:
+    assert precision_of("auto", "cpu", AMX) == "bf16"
+    assert precision_of("auto", "cpu", AVX512_BF16) == "bf16"
+    assert precision_of("auto", "cpu", PLAIN) == "fp32"           # bf16 fallbacks: ~30x slower
+    assert precision_of("auto", "cuda", PLAIN) == "bf16"          # the host CPU does not matter
+    assert precision_of("fp32", "cpu", AMX) == "fp32" and precision_of("bf16", "cpu", PLAIN) == "bf16"

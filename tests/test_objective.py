@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -12,9 +13,9 @@ from tests.conftest import assert_same_objective_runs
 from model.draft import DraftConfig, build_draft, compose_draft_conf
 from model.verifier_weights import read_verifier_head
 from store import StoreReader
-from train.batches import collate_rows, pack_row
-from train.objective import (Eagle3Objective, ObjectiveConfig, simulated_accept_length,
-                             soft_cross_entropy, step_inputs)
+from train.batches import PAD_SEGMENT, collate_rows, pack_row
+from train.objective import (Eagle3Objective, ObjectiveConfig, build_target_cache, simulated_accept_length,
+                             soft_cross_entropy, step_inputs, topk_targets)
 
 
 @pytest.fixture(scope="module")
@@ -259,3 +260,230 @@ def test_simulated_accept_length() -> None:
     assert simulated_accept_length([1, 1, 1, 1]) == 5
     assert simulated_accept_length([0, 1, 1]) == 1
     assert simulated_accept_length([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
+
+
+# ---- acceptance term ------------------------------------------------------------------------
+def _acceptance_reference(normed, head, target_hidden, target_head, keep, kind, weight):
+    """Dense PyTorch: sum over rows of soft CE + weight * (1 - alpha) (tv) or weight * -log
+    max(alpha, 1e-6) (lk), alpha = sum_v min(p_v, q_v), p restricted to keep and renormalised."""
+    target = target_hidden @ target_head.T
+    if keep is not None:
+        target = target[:, keep]
+    p, logits = target.softmax(-1), normed @ head.T
+    ce = -(p * logits.log_softmax(-1)).sum(-1)
+    alpha = torch.minimum(p, logits.softmax(-1)).sum(-1)
+    term = 1 - alpha if kind == "tv" else -alpha.clamp(min=1e-6).log()
+    return (ce + weight * term).sum()
+
+
+def _acceptance_case(pruned: bool, seed: int = 0):
+    """float64 (normed, head, target_hidden, target_head, keep): a draft near the verifier, so that
+    alpha spreads over (0, 1)."""
+    g = torch.Generator().manual_seed(seed)
+    N, H, V, Vd = 37, 16, 50, 20
+    f64 = dict(generator=g, dtype=torch.float64)
+    keep = torch.sort(torch.randperm(V, generator=g)[:Vd]).values if pruned else None
+    target_hidden, target_head = torch.randn(N, H, **f64), torch.randn(V, H, **f64)
+    normed = target_hidden + 0.5 * torch.randn(N, H, **f64)
+    head = (target_head[keep] if pruned else target_head) + 0.1 * torch.randn(Vd if pruned else V, H, **f64)
+    return normed, head, target_hidden, target_head, keep
+
+
+def _grads(loss_fn, normed, head):
+    """(loss, d(2.5 loss)/d normed, d(2.5 loss)/d head) of loss_fn(normed, head)."""
+    normed, head = normed.clone().requires_grad_(), head.clone().requires_grad_()
+    loss = loss_fn(normed, head)
+    (2.5 * loss).backward()
+    return loss.detach(), normed.grad, head.grad
+
+
+@pytest.mark.parametrize("cached", [False, True])
+@pytest.mark.parametrize("pruned", [False, True])
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+@pytest.mark.parametrize("kind", ["tv", "lk"])
+def test_acceptance_loss_and_gradients_equal_the_dense_reference(kind: str, chunk: int, pruned: bool,
+                                                                 cached: bool) -> None:
+    """Chunked CE + acceptance term == materialised softmax and autograd, in the loss and in the
+    gradients w.r.t. normed and head; chunk 7 does not divide N = 37, 64 exceeds it. The chunked
+    loss computes in fp32 blocks whatever its inputs' dtype, so the match is to fp32 rounding."""
+    normed, head, target_hidden, target_head, keep = _acceptance_case(pruned)
+    N = normed.shape[0]
+    rows = torch.randperm(N, generator=torch.Generator().manual_seed(3))   # cache row of each of the N
+    if cached:
+        cache = build_target_cache(target_hidden[None], torch.ones(1, N, dtype=torch.bool), target_head, keep,
+                                   head.shape[0], 5)
+        inputs = (None, target_head, keep, chunk, cache, rows)
+        target_hidden = target_hidden[rows]                            # what row n of the loss reads
+    else:
+        inputs = (target_hidden, target_head, keep, chunk)
+    loss, gx, gw = _grads(lambda x, w: soft_cross_entropy(x, w, *inputs, acceptance=kind,
+                                                          acceptance_weight=0.7)[0], normed, head)
+    ref, rx, rw = _grads(lambda x, w: _acceptance_reference(x, w, target_hidden, target_head, keep, kind, 0.7),
+                         normed, head)
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(gx, rx, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gw, rw, rtol=1e-5, atol=1e-5)
+    # The term moves the gradient far beyond those tolerances: the check sees it.
+    _, cx, cw = _grads(lambda x, w: _reference(x, w, target_hidden, target_head, keep)[0], normed, head)
+    assert (rx - cx).abs().max() > 0.1 and (rw - cw).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("kind", ["tv", "lk"])
+def test_acceptance_chunk_maths_in_float64(kind: str) -> None:
+    """The per-chunk helpers on float64 buffers, against autograd at 1e-12, with ties: a tie
+    q_v = p_v is outside {q < p} (min is p_v there, constant in z), and a row with p = q has
+    alpha 1 and no acceptance gradient. Each gradient row sums to 0 (softmax is shift-invariant)."""
+    g = torch.Generator().manual_seed(5)
+    f64 = dict(generator=g, dtype=torch.float64)
+    z = (2 * torch.randn(6, 12, **f64)).requires_grad_()
+    q = z.softmax(-1)
+    p = torch.randn(6, 12, **f64).mul(2).softmax(-1)
+    # Ties on 4 tokens of every row, the rest scaled so that p still sums to 1; row 0: p = q.
+    tied = q[:, :4].detach()
+    p[:, 4:] *= (1 - tied.sum(-1, keepdim=True)) / p[:, 4:].sum(-1, keepdim=True)
+    p[:, :4] = tied
+    p[0] = q[0].detach()
+    alpha_ref = torch.where(q < p, q, p).sum(-1)                       # the stated tie convention
+    term_ref = objective_module._acceptance_term(alpha_ref, kind)
+    term_ref.sum().backward()
+    ce, alpha = objective_module._ce_and_alpha_(p.clone(), z.detach().clone(), torch.empty_like(p))
+    torch.testing.assert_close(ce, -(p * z.detach().log_softmax(-1)).sum(-1), rtol=0, atol=1e-12)
+    torch.testing.assert_close(alpha, alpha_ref.detach(), rtol=0, atol=1e-12)
+    assert abs(float(alpha[0]) - 1) < 1e-12
+    d_alpha = objective_module._acceptance_grad_(q.detach(), p, torch.empty_like(p))
+    scale = objective_module._acceptance_scale(alpha, kind, 1.0)
+    torch.testing.assert_close(scale[:, None] * d_alpha, z.grad, rtol=0, atol=1e-12)
+    assert torch.all(d_alpha[0] == 0) and torch.all(d_alpha.sum(-1).abs() < 1e-15)
+    # Counting ties inside {q <= p} instead gives another gradient: the test tells them apart.
+    below_or_tie = (q <= p).double() * q.detach()
+    other = q.detach() * below_or_tie.sum(-1, keepdim=True) - below_or_tie
+    assert (other - d_alpha)[1:].abs().max() > 1e-3
+
+
+def test_lk_floor_keeps_disjoint_distributions_finite() -> None:
+    """alpha = 0 exactly in fp32 (verifier and draft peaked on different tokens): the lk term is
+    -log(1e-6) per row, finite, and below the floor it adds no gradient (the CE's alone)."""
+    H, V = 4, 6
+    target_head = torch.eye(V, H) * 1000                               # row n: verifier all on token n
+    head = torch.roll(target_head, 1, 0)                               # draft all on token n + 1
+    target_hidden = torch.eye(H)
+    normed = torch.eye(H)
+    plain, gx, gw = _grads(lambda x, w: soft_cross_entropy(x, w, target_hidden, target_head, None, 3)[0],
+                           normed, head)
+    lk, lx, lw = _grads(lambda x, w: soft_cross_entropy(x, w, target_hidden, target_head, None, 3,
+                                                        acceptance="lk", acceptance_weight=2.0)[0], normed, head)
+    assert torch.isfinite(lk) and torch.isfinite(lx).all() and torch.isfinite(lw).all()
+    torch.testing.assert_close(lk, plain + 2.0 * H * -math.log(1e-6), rtol=1e-6, atol=0)
+    assert torch.equal(lx, gx) and torch.equal(lw, gw)
+
+
+def test_acceptance_null_runs_todays_loss_only(monkeypatch) -> None:
+    """acceptance None never calls the term's maths, and equals bit for bit the acceptance branch
+    at weight 0 (whose CE is computed with the same operations)."""
+    normed, head, target_hidden, target_head, keep = _acceptance_case(pruned=True, seed=2)
+    inputs = [t.float() if t is not None and t.is_floating_point() else t
+              for t in (normed, head, target_hidden, target_head, keep)]
+    weight_zero = _grads(lambda x, w: soft_cross_entropy(x, w, *inputs[2:], 7, acceptance="tv",
+                                                         acceptance_weight=0.0)[0], *inputs[:2])
+
+    def refuse(*args):
+        raise AssertionError("the acceptance term ran with acceptance None")
+
+    for name in ("_ce_and_alpha_", "_acceptance_term", "_acceptance_scale", "_acceptance_grad_"):
+        monkeypatch.setattr(objective_module, name, refuse)
+    for call in (lambda x, w: soft_cross_entropy(x, w, *inputs[2:], 7)[0],
+                 lambda x, w: soft_cross_entropy(x, w, *inputs[2:], 7, acceptance=None, acceptance_weight=3.0)[0]):
+        null = _grads(call, *inputs[:2])
+        assert all(torch.equal(a, b) for a, b in zip(null, weight_zero))
+
+
+@pytest.mark.parametrize("kind", ["tv", "lk"])
+@pytest.mark.parametrize("cache_bytes", [0, 1 << 30])
+def test_objective_optimises_and_logs_the_acceptance_term(
+        tiny_cfg: DraftConfig, draft_verifier_dir: Path, train_store: Path, kind: str, cache_bytes: int) -> None:
+    """ObjectiveConfig.acceptance reaches the loss: step 0's loss_sum and the loss hold the soft
+    CE plus weight * term over the counted positions, with and without the target cache."""
+    reader = StoreReader(train_store)
+    s = reader.read_sample(reader.samples()[0], torch.float32)
+    batch = collate_rows([pack_row([(s.input_ids, s.loss_mask, s.aux, s.final)], 4096)])
+    obj = _objective(tiny_cfg, draft_verifier_dir, steps=1)
+    obj.cfg = dataclasses.replace(obj.cfg, target_cache_bytes=cache_bytes, acceptance=kind, acceptance_weight=0.5)
+    assert (obj._target_cache(batch, batch["final"], None) is None) == (cache_bytes == 0)
+    out = obj(batch)
+    out.loss.backward()
+    _, _, counted = step_inputs(batch, 0)
+    b, t = counted.nonzero(as_tuple=True)
+    with torch.no_grad():
+        draft = obj.draft
+        ids, positions, _ = step_inputs(batch, 0)
+        step = draft.step(ids, draft.project_aux(batch["aux"]), positions, None, batch["segment_ids"])
+        args = (step.normed[b, t].double(), draft.lm_head.weight.double(), batch["final"][b, t + 1].double(),
+                obj.target_head.double(), None)
+        ref = _acceptance_reference(*args, kind, 0.5)
+        ce, _ = _reference(*args)
+    assert b.numel() > 10 and ref - ce > 1                              # the term is there, and large
+    torch.testing.assert_close(out.stats.loss_sum[0], ref, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(out.loss.double(), ref / b.numel(), rtol=1e-5, atol=1e-6)
+    assert obj.draft.fc.weight.grad is not None and obj.draft.fc.weight.grad.abs().sum() > 0
+
+
+def test_acceptance_settings_are_refused_where_they_cannot_work(
+        tiny_cfg: DraftConfig, draft_verifier_dir: Path, train_store: Path) -> None:
+    with pytest.raises(ValueError, match="tv, lk"):
+        ObjectiveConfig(3, 0.8, 1 << 27, acceptance="kl")
+    with pytest.raises(ValueError, match="acceptance_weight"):
+        ObjectiveConfig(3, 0.8, 1 << 27, acceptance="tv", acceptance_weight=-1.0)
+    with pytest.raises(ValueError, match="target_topk=8"):
+        ObjectiveConfig(3, 0.8, 1 << 27, target_topk=8, acceptance="lk")
+    with pytest.raises(ValueError, match="tv, lk"):
+        soft_cross_entropy(torch.zeros(2, 4), torch.zeros(5, 4), torch.zeros(2, 4), torch.zeros(5, 4), None, 4,
+                           acceptance="TV")
+    cfg = ObjectiveConfig(3, 0.8, 1 << 27, acceptance="tv")
+    with pytest.raises(ValueError, match="whole distribution"):            # an objective for a top-k store
+        Eagle3Objective(build_draft(tiny_cfg), None, cfg)
+    # A batch of top-k targets, met at first use by an objective that has the verifier's head.
+    reader = StoreReader(train_store)
+    s = reader.read_sample(reader.samples()[0], torch.float32)
+    batch = collate_rows([pack_row([(s.input_ids, s.loss_mask, s.aux, s.final)], 4096)])
+    obj = _objective(tiny_cfg, draft_verifier_dir, steps=1)
+    batch = {**batch, **topk_targets(batch, obj.target_head, 4, 1 << 20)}
+    del batch["final"]
+    obj.cfg = cfg
+    with pytest.raises(ValueError, match="whole distribution"):
+        obj(batch)
+
+
+def test_train_config_passes_the_acceptance_keys() -> None:
+    from infra import compose_config
+    from train.loop import _objective_config
+
+    default = _objective_config(compose_config("train"))
+    assert default.acceptance is None and default.acceptance_weight == 1.0
+    chosen = _objective_config(compose_config("train", ["train.loss.acceptance=lk",
+                                                        "train.loss.acceptance_weight=0.25"]))
+    assert chosen.acceptance == "lk" and chosen.acceptance_weight == 0.25
+
+
+def test_padding_to_a_length_grid_changes_no_loss_or_gradient(
+        tiny_cfg: DraftConfig, draft_verifier_dir: Path, train_store: Path) -> None:
+    """train.pad_multiple: a row padded up to the grid trains exactly as the unpadded row."""
+    reader = StoreReader(train_store)
+    sample = reader.read_sample(reader.samples()[0], torch.float32)
+    row = pack_row([(sample.input_ids, sample.loss_mask, sample.aux, sample.final)], 4096)
+    free, grid = collate_rows([row]), collate_rows([row], multiple=100)
+    T = row["input_ids"].shape[0]
+    assert free["input_ids"].shape[1] == T and grid["input_ids"].shape[1] == -(-T // 100) * 100 > T
+    assert (grid["segment_ids"][0, T:] == PAD_SEGMENT).all() and not grid["loss_mask"][0, T:].any()
+    obj = _objective(tiny_cfg, draft_verifier_dir, steps=3)
+    results = []
+    for batch in (free, grid):
+        obj.zero_grad()
+        out = obj(batch)
+        out.loss.backward()
+        results.append((out, {n: p.grad.clone() for n, p in obj.named_parameters() if p.requires_grad}))
+    (a, ga), (b, gb) = results
+    assert a.stats.count.tolist() == b.stats.count.tolist() and a.stats.count[0] > 10
+    torch.testing.assert_close(a.loss, b.loss, rtol=1e-6, atol=1e-6)
+    assert a.stats.correct.tolist() == b.stats.correct.tolist()
+    for name in ga:
+        torch.testing.assert_close(ga[name], gb[name], rtol=1e-5, atol=1e-7)

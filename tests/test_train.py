@@ -170,8 +170,11 @@ def test_export_finds_the_runs_verifier_in_its_saved_config(tmp_path: Path, draf
     assert _run_verifier(tmp_path) == draft_verifier_dir
 
 
-def test_precision_auto_is_fp32_on_cpu_and_bf16_on_accelerators() -> None:
-    assert precision_of("auto", "cpu") == "fp32" and precision_of("auto", "cuda") == "bf16"
+def test_precision_auto_is_bf16_on_accelerators_and_on_this_cpu_by_its_flags() -> None:
+    from infra import cpu_flags
+
+    on_this_cpu = "bf16" if {"avx512_bf16", "amx_bf16"} & cpu_flags() else "fp32"
+    assert precision_of("auto", "cpu") == on_this_cpu and precision_of("auto", "cuda") == "bf16"
     assert precision_of("bf16", "cpu") == "bf16" and precision_of("fp32", "cuda") == "fp32"
     with pytest.raises(ValueError, match="fp16"):
         precision_of("fp16", "cpu")

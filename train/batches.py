@@ -47,6 +47,7 @@ each step, which the endless stream does by design, and is said once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import random
@@ -253,9 +254,16 @@ _PAD = {"input_ids": 0, "loss_mask": False, "aux": 0.0, "final": 0.0, "target_id
         "target_logprobs": float("-inf"), "position_ids": 0, "segment_ids": PAD_SEGMENT}
 
 
-def collate_rows(rows: Sequence[Batch]) -> Batch:
-    """Rows -> a micro-batch [B, L, ...], padded at the end to the longest row."""
+def collate_rows(rows: Sequence[Batch], multiple: int = 1) -> Batch:
+    """Rows -> a micro-batch [B, L, ...], padded at the end to the longest row, rounded up to a
+    multiple of `multiple` tokens.
+
+    Why round: CPU kernels (oneDNN's bf16 matmuls, attention) build and cache a primitive per
+    shape, so a run whose every micro-batch has a new length grows its memory step after step;
+    lengths on a grid of `multiple` bound the shapes a run meets. Padding is inert: its segment
+    is PAD_SEGMENT, its mask False."""
     L = max(len(r["input_ids"]) for r in rows)
+    L = -(-L // multiple) * multiple
     out = {}
     for key, fill in _PAD.items():
         if key not in rows[0]:                # the targets the rows do not carry
@@ -277,13 +285,14 @@ def _worker_init(_: int) -> None:
     torch.set_num_threads(1)  # workers decode and copy; the trainer's threads do the math
 
 
-def make_loader(dataset: PackedRows, micro_batch: int, num_workers: int, prefetch_factor: int
-                ) -> DataLoader:
-    """In-order micro-batches; workers read ahead so reading overlaps compute."""
+def make_loader(dataset: PackedRows, micro_batch: int, num_workers: int, prefetch_factor: int,
+                pad_multiple: int = 1) -> DataLoader:
+    """In-order micro-batches, their length padded to a multiple of pad_multiple (collate_rows);
+    workers read ahead so reading overlaps compute."""
     extra = {"prefetch_factor": prefetch_factor, "persistent_workers": False,
              "worker_init_fn": _worker_init} if num_workers > 0 else {}
     return DataLoader(dataset, batch_size=micro_batch, shuffle=False, num_workers=num_workers,
-                      collate_fn=collate_rows, drop_last=False, pin_memory=torch.cuda.is_available(),
+                      collate_fn=functools.partial(collate_rows, multiple=pad_multiple), drop_last=False, pin_memory=torch.cuda.is_available(),
                       **extra)
 
 

@@ -28,7 +28,7 @@ import math
 import os
 import shutil
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from infra import FAILPOINTS_ENV, failpoint
+from infra import FAILPOINTS_ENV, cpu_flags as read_cpu_flags, failpoint
 from model.draft import DraftConfig, Eagle3Draft
 from train.objective import Eagle3Objective
 
@@ -100,20 +100,20 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
 PRECISIONS = ("auto", "bf16", "fp32")
 
 
-def precision_of(precision: str, device_type: str | None = None) -> str:
-    """train.precision as trained: bf16 | fp32. auto is bf16 on an accelerator and fp32 on every CPU
-    (device_type; default: DeepSpeed's accelerator here), whatever its bf16 units:
-    - without them (no avx512_bf16 / amx_bf16 flag) bf16 matmuls take slow fallbacks: on a 2-core
-      x86 machine, [2048, 8192] x [8192, 256] took 10.6 s in bf16 against 0.05 s in fp32, and a
-      training step ~30x longer;
-    - with them bf16 is faster but the process grows every step. AMD EPYC with avx512_bf16, 2 cores
-      (`python -m train train.steps=25 train.threads=2 eval.every=0` on a 120-conversation
-      `python -m dump split=all regenerate.enabled=false` store, fp32 then bf16): ~1,300 tokens/s
-      fp32 against ~1,900 bf16 on the steps the shared machine left alone, the same loss (20.60);
-      RSS flat at 1.1 GiB in fp32, in bf16 1.05 GiB at step 5, 1.53 at 20, 1.69 at 25 (peak 1.30
-      against 1.87-1.90 GiB). On an AMX Xeon bf16 was 5% faster and grew 0.77 -> 3.42 GiB over 100
-      steps. Memory that grows with the run is a risk an unattended default must not take for
-      1.05-1.5x: bf16 stays a choice (train.precision=bf16)."""
+BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})   # x86 units that run bf16 matmuls natively
+
+
+def precision_of(precision: str, device_type: str | None = None,
+                 cpu_flags: Set[str] | None = None) -> str:
+    """train.precision as trained: bf16 | fp32. auto is bf16 on an accelerator, and on a CPU with
+    bf16 units (avx512_bf16 or amx_bf16 in cpu_flags; default: this machine's), else fp32:
+    - without those units bf16 matmuls take slow fallbacks: on a 2-core x86 machine,
+      [2048, 8192] x [8192, 256] took 10.6 s in bf16 against 0.05 s in fp32, a step ~30x longer;
+    - with them bf16 is faster: 2,551 against 1,944 tokens/s fp32 (medians, steps 11-40/300, 2-core
+      AMD EPYC with avx512_bf16, `make dump`'s store), the same held-out figures. Its memory stays
+      flat only because micro-batch lengths are padded to a grid (train.pad_multiple; free lengths
+      grew 0.78 -> 2.25 GiB over 40 steps, a 256-token grid held 1.12-1.44 GiB over 300).
+    device_type: default, DeepSpeed's accelerator here."""
     if precision not in PRECISIONS:
         raise ValueError(f"train.precision {precision!r}: use one of {', '.join(PRECISIONS)}")
     if precision != "auto":
@@ -122,7 +122,10 @@ def precision_of(precision: str, device_type: str | None = None) -> str:
         from deepspeed.accelerator import get_accelerator
 
         device_type = get_accelerator().device_name()
-    return "fp32" if device_type == "cpu" else "bf16"
+    if device_type != "cpu":
+        return "bf16"
+    flags = read_cpu_flags() if cpu_flags is None else cpu_flags
+    return "bf16" if BF16_CPU_FLAGS & set(flags) else "fp32"
 
 
 def deepspeed_config(cfg: DictConfig) -> dict[str, Any]:

@@ -67,7 +67,9 @@ def _objective_config(cfg: DictConfig, steps: int | None = None) -> ObjectiveCon
     loss = cfg.train.loss
     return ObjectiveConfig(steps=int(steps or cfg.train.ttt.steps), decay=float(cfg.train.ttt.decay),
                            chunk_bytes=int(loss.chunk_bytes), target_topk=loss.get("target_topk"),
-                           target_cache_bytes=int(loss.get("target_cache_bytes", 0)))
+                           target_cache_bytes=int(loss.get("target_cache_bytes", 0)),
+                           acceptance=loss.get("acceptance"),
+                           acceptance_weight=float(loss.get("acceptance_weight", 1.0)))
 
 
 def _pruned_vocab(cfg: DraftConfig, split: StoreSplit, run_dir: Path, verifier: Path) -> torch.Tensor:
@@ -173,7 +175,8 @@ def run_evaluation(engine, setup: RunSetup, cfg: DictConfig, rank: int, world: i
     plan = setup.split.eval_rows(int(cfg.train.max_len), rank, world)
     rows = PackedRows(setup.split.path, setup.split.heldout, [r for r, _ in plan], int(cfg.train.max_len),
                       bool(cfg.train.loss.last_turn_only))
-    loader = make_loader(rows, 1, int(cfg.train.num_workers), int(cfg.train.prefetch_factor))
+    loader = make_loader(rows, 1, int(cfg.train.num_workers), int(cfg.train.prefetch_factor),
+                         int(cfg.train.pad_multiple))
     return evaluate(engine, loader, [c for _, c in plan], int(cfg.eval.ttt_steps))
 
 
@@ -221,7 +224,8 @@ def fit(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     plan = rank_rows(stream, start, setup.total_steps, int(t.micro_batch), accum, rank, world)
     rows = PackedRows(setup.split.path, setup.split.train, [r for _, r in plan], int(t.max_len),
                       bool(t.loss.last_turn_only))
-    batches = iter(make_loader(rows, int(t.micro_batch), int(t.num_workers), int(t.prefetch_factor)))
+    batches = iter(make_loader(rows, int(t.micro_batch), int(t.num_workers), int(t.prefetch_factor),
+                               int(t.pad_multiple)))
     rows_per_rank_step = accum * int(t.micro_batch)
     bar = tqdm(total=setup.total_steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
                disable=rank != 0)

@@ -29,6 +29,16 @@ of the micro-batch, weighted w_k = decay^k and summed over steps. With a pruned 
 the target is the verifier's distribution restricted to the draft's tokens (t2d) and renormalised;
 top-1 agreement always compares with the verifier's argmax over the full vocabulary.
 
+Acceptance term (`acceptance`, dense loss only). Speculative sampling accepts a token drawn from
+the draft q with probability alpha = sum_v min(p_v, q_v) = 1 - TV(p, q), which the soft CE only
+raises indirectly (it weighs every token by p, also those where q already covers p). `tv` adds
+acceptance_weight * (1 - alpha) per counted position, `lk` acceptance_weight * -log max(alpha,
+1e-6), which pushes hardest where acceptance is lowest. p is the CE's target: on a pruned
+vocabulary, restricted and renormalised. The gradient w.r.t. the draft logits of -alpha is
+-q_j ([q_j < p_j] - A), A = sum_{v: q_v < p_v} q_v (a tie q_j = p_j counts as q_j >= p_j: min is
+then p_j, constant in z); -log alpha divides it by alpha. Both need the whole p, so the term is
+refused with top-k targets. The loss and loss_sum then hold CE + term, what is optimised.
+
 Loss from top-k targets. A store may keep, instead of F, the verifier's k most likely next
 tokens and their log-probabilities (batch keys target_ids, target_logprobs; train/batches.py),
 read at the same row t+1+k. The target is then known on its top-k only, so step k's loss is the
@@ -67,6 +77,7 @@ ChunkedTopKCE with [chunk, Vd] blocks only: no verifier logits).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -77,6 +88,12 @@ from torch import Tensor, nn
 from model.draft import Eagle3Draft, StepOutput
 from model.vocab import target_ids_of
 
+ACCEPTANCE_KINDS = ("tv", "lk")
+# -log alpha's floor: alpha is exactly 0 in fp32 when p and q share no mass (one underflows
+# wherever the other has mass), and -log 0 = inf would stop the run; its gradient, bounded for
+# alpha > 0, would be 0/0. Below the floor the term is the constant 13.8 and the CE alone pulls.
+ALPHA_FLOOR = 1e-6
+
 
 @dataclass(frozen=True)
 class ObjectiveConfig:
@@ -85,6 +102,20 @@ class ObjectiveConfig:
     chunk_bytes: int           # bytes of one [chunk, V] fp32 logits block
     target_topk: int | None = None   # train final-state batches on the verifier's top-k (module docstring)
     target_cache_bytes: int = 0      # at most this many bytes of target probabilities kept per micro-batch
+    acceptance: str | None = None    # acceptance term added to the dense loss: None | "tv" | "lk"
+    acceptance_weight: float = 1.0   # its weight per counted position
+
+    def __post_init__(self) -> None:
+        if self.acceptance is None:
+            return
+        if self.acceptance not in ACCEPTANCE_KINDS:
+            raise ValueError(f"acceptance={self.acceptance!r}: one of {', '.join(ACCEPTANCE_KINDS)} or null")
+        if not (math.isfinite(self.acceptance_weight) and self.acceptance_weight >= 0):
+            raise ValueError(f"acceptance_weight={self.acceptance_weight}: a finite weight >= 0")
+        if self.target_topk:
+            raise ValueError(f"acceptance={self.acceptance!r} with target_topk={self.target_topk}: the "
+                             "acceptance sum_v min(p, q) needs the verifier's whole distribution, "
+                             "which top-k targets do not keep")
 
     def weights(self, steps: int | None = None) -> list[float]:
         return [self.decay ** k for k in range(steps or self.steps)]
@@ -96,7 +127,7 @@ class ObjectiveConfig:
 class StepStats(NamedTuple):
     """Per TTT step sums over the counted positions; add them up over batches and ranks."""
 
-    loss_sum: Tensor   # [K] float64, sum of soft cross-entropies
+    loss_sum: Tensor   # [K] float64, sum of soft cross-entropies (plus acceptance terms, if set)
     correct: Tensor    # [K] float64, draft top-1 == verifier top-1
     count: Tensor      # [K] float64, counted positions
     chain: Tensor      # [K] float64, step-0 positions whose steps 0..k are all counted and correct
@@ -176,11 +207,13 @@ class _Blocks:
     100 MB blocks per chunk cost page faults on the CPU), and the in-place maths on them."""
 
     def __init__(self, chunk: int, target_vocab: int, draft_vocab: int, pruned: bool, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, acceptance: bool = False) -> None:
         f32 = dict(dtype=torch.float32, device=device)
         self.target = torch.empty(chunk, target_vocab, **f32)            # verifier logits
         self.kept = torch.empty(chunk, draft_vocab, **f32) if pruned else None   # ... on the draft vocabulary
         self.draft = torch.empty(chunk, draft_vocab, **f32)              # draft logits
+        # The acceptance term's q (forward) and d(-alpha)/dz (backward), next to p and z.
+        self.accept = torch.empty(chunk, draft_vocab, **f32) if acceptance else None
         # Matmuls in a low precision land here before their fp32 copy.
         self.scratch = (torch.empty(chunk * max(target_vocab, draft_vocab), dtype=dtype, device=device)
                         if dtype != torch.float32 else None)
@@ -244,66 +277,118 @@ def softmax_(z: Tensor) -> Tensor:
 
 
 class ChunkedSoftCE(torch.autograd.Function):
-    """sum_n -sum_v p_T(v | n) log softmax(normed_n @ head.T)_v over N rows, a chunk at a time.
+    """sum_n -sum_v p_T(v | n) log softmax(normed_n @ head.T)_v over N rows, a chunk at a time,
+    plus, with `acceptance`, weight * (1 - alpha_n) (tv) or weight * -log max(alpha_n, ALPHA_FLOOR)
+    (lk) per row, alpha_n = sum_v min(p_T(v | n), q(v | n)) (module docstring).
 
-    Saves only its inputs; the backward recomputes each chunk's logits, so no [N, V] tensor
-    exists in either pass (peak: about three [chunk, V] fp32 blocks). Gradient w.r.t. the draft
-    logits: softmax(z) - p (p sums to 1).
+    Saves only its inputs (and alpha [N] with the acceptance term); the backward recomputes each
+    chunk's logits, so no [N, V] tensor exists in either pass (peak: about three [chunk, V] fp32
+    blocks, four with the acceptance term). Gradient w.r.t. the draft logits: softmax(z) - p
+    (p sums to 1), plus the acceptance term's c_n q (A - [q < p]) (_acceptance_grad_).
     """
 
     @staticmethod
     def forward(ctx, normed: Tensor, head: Tensor, target_hidden: Tensor | None, target_head: Tensor,
                 keep: Tensor | None, chunk: int, cache: TargetCache | None = None,
-                rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                rows: Tensor | None = None, acceptance: str | None = None,
+                acceptance_weight: float = 1.0) -> tuple[Tensor, Tensor]:
         loss = torch.zeros((), dtype=torch.float64, device=normed.device)
         N = normed.shape[0]
         correct = torch.zeros(N, dtype=torch.bool, device=normed.device)
-        blocks = _target_blocks(normed, head, target_head, keep, chunk, cache)
+        alpha = None if acceptance is None else torch.empty(N, dtype=torch.float32, device=normed.device)
+        blocks = _target_blocks(normed, head, target_head, keep, chunk, cache, acceptance is not None)
         for c in range(0, N, chunk):
             p, top = (blocks.cached_probs(cache, rows[c:c + chunk]) if cache is not None
                       else blocks.target_probs(target_hidden[c:c + chunk], target_head, keep))
             z = blocks.logits(blocks.draft, normed[c:c + chunk], head)    # [c, Vd]
             pred = z.argmax(-1)
             correct[c:c + chunk] = (keep[pred] if keep is not None else pred) == top
+            if acceptance is not None:
+                row_loss, alpha[c:c + chunk] = _ce_and_alpha_(p, z, blocks.accept[:z.shape[0]])
+                row_loss += acceptance_weight * _acceptance_term(alpha[c:c + chunk], acceptance)
+                loss += row_loss.sum().double()
+                continue
             # -sum p log q = lse(z) - sum p z   (p sums to 1)
             pz = p.mul_(z).sum(-1)
             m = z.amax(-1)
             lse = z.sub_(m[:, None]).exp_().sum(-1).log_().add_(m)
             loss += (lse - pz).sum().double()
-        ctx.save_for_backward(normed, head, target_hidden, target_head, keep, rows)
+        ctx.save_for_backward(normed, head, target_hidden, target_head, keep, rows, alpha)
         ctx.chunk, ctx.cache = chunk, cache
+        ctx.acceptance, ctx.acceptance_weight = acceptance, acceptance_weight
         ctx.mark_non_differentiable(correct)
         return loss, correct
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor, _: Tensor) -> tuple[Tensor | None, ...]:
-        normed, head, target_hidden, target_head, keep, rows = ctx.saved_tensors
-        cache = ctx.cache
+        normed, head, target_hidden, target_head, keep, rows, alpha = ctx.saved_tensors
+        cache, acceptance = ctx.cache, ctx.acceptance
         want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         N, chunk = normed.shape[0], ctx.chunk
         grad_x = torch.empty_like(normed) if want_x else None
         grad_w = torch.zeros(head.shape, dtype=torch.float32, device=head.device) if want_w else None
-        blocks = _target_blocks(normed, head, target_head, keep, chunk, cache)
+        blocks = _target_blocks(normed, head, target_head, keep, chunk, cache, acceptance is not None)
         g = grad_loss.float()
+        scale = None if acceptance is None else _acceptance_scale(alpha, acceptance, ctx.acceptance_weight)
         for c in range(0, N, chunk):
             x = normed[c:c + chunk]
             p, _ = (blocks.cached_probs(cache, rows[c:c + chunk]) if cache is not None
                     else blocks.target_probs(target_hidden[c:c + chunk], target_head, keep, with_top=False))
-            dz = softmax_(blocks.logits(blocks.draft, x, head)).sub_(p).mul_(g)   # [c, Vd] d loss / d z
+            if acceptance is None:
+                dz = softmax_(blocks.logits(blocks.draft, x, head)).sub_(p).mul_(g)   # [c, Vd] d loss / d z
+            else:
+                q = softmax_(blocks.logits(blocks.draft, x, head))                    # [c, Vd]
+                d_alpha = _acceptance_grad_(q, p, blocks.accept[:q.shape[0]])        # [c, Vd] d(-alpha)/dz
+                dz = q.sub_(p).addcmul_(d_alpha, scale[c:c + chunk, None]).mul_(g)
             _accumulate_grads(blocks, dz, x, head, grad_x[c:c + chunk] if want_x else None, grad_w)
-        return grad_x, None if grad_w is None else grad_w.to(head.dtype), None, None, None, None, None, None
+        return grad_x, None if grad_w is None else grad_w.to(head.dtype), None, None, None, None, None, None, None, None
+
+
+def _ce_and_alpha_(p: Tensor, z: Tensor, q: Tensor) -> tuple[Tensor, Tensor]:
+    """(soft CE [c], alpha [c] = sum_v min(p_v, q_v)) of p [c, Vd] (target) and z [c, Vd] (draft
+    logits); q [c, Vd] is a buffer for the draft's softmax. Overwrites all three."""
+    m = z.amax(-1)
+    q = torch.sub(z, m[:, None], out=q).exp_()
+    s = q.sum(-1)
+    alpha = torch.minimum(q.div_(s[:, None]), p, out=q).sum(-1)
+    pz = p.mul_(z).sum(-1)
+    return s.log_().add_(m) - pz, alpha                              # lse(z) - sum p z, as above
+
+
+def _acceptance_term(alpha: Tensor, kind: str) -> Tensor:
+    """[c] -> [c]: the per-row acceptance term before its weight."""
+    return 1 - alpha if kind == "tv" else -alpha.clamp(min=ALPHA_FLOOR).log()
+
+
+def _acceptance_scale(alpha: Tensor, kind: str, weight: float) -> Tensor:
+    """[N] -> [N] c_n: d(weight * term) / d(-alpha) per row; lk's is 0 below the floor, where the
+    clamped term is constant."""
+    if kind == "tv":
+        return torch.full_like(alpha, weight)
+    return torch.where(alpha >= ALPHA_FLOOR, weight / alpha.clamp(min=ALPHA_FLOOR), torch.zeros_like(alpha))
+
+
+def _acceptance_grad_(q: Tensor, p: Tensor, out: Tensor) -> Tensor:
+    """d(-alpha)/dz [c, Vd] = q (A - [q < p]) into out, A = sum_{v: q_v < p_v} q_v [c]. A tie
+    q_v = p_v is outside the set, as min(p_v, q_v) = p_v there; the set is the same for A and
+    the indicator, so each row of the gradient sums to 0, as softmax's must."""
+    below = torch.lt(q, p, out=out)                                  # [c, Vd] 1.0 where q < p
+    below.mul_(q)                                                    # q [q < p]
+    A = below.sum(-1, keepdim=True)                                  # [c, 1]
+    return below.neg_().addcmul_(q, A)
 
 
 def _target_blocks(normed: Tensor, head: Tensor, target_head: Tensor, keep: Tensor | None, chunk: int,
-                   cache: TargetCache | None) -> _Blocks | None:
+                   cache: TargetCache | None, acceptance: bool = False) -> _Blocks | None:
     """The blocks of one ChunkedSoftCE pass: with a cache, p is copied into a [chunk, Vd] block
     and no verifier logits are computed."""
     N = normed.shape[0]
     if not N:
         return None
     if cache is not None:
-        return _Blocks(min(chunk, N), head.shape[0], head.shape[0], False, normed.dtype, normed.device)
-    return _Blocks(min(chunk, N), target_head.shape[0], head.shape[0], keep is not None, normed.dtype, normed.device)
+        return _Blocks(min(chunk, N), head.shape[0], head.shape[0], False, normed.dtype, normed.device, acceptance)
+    return _Blocks(min(chunk, N), target_head.shape[0], head.shape[0], keep is not None, normed.dtype,
+                   normed.device, acceptance)
 
 
 def _accumulate_grads(blocks: _Blocks, dz: Tensor, x: Tensor, head: Tensor, grad_x: Tensor | None,
@@ -323,15 +408,20 @@ def _accumulate_grads(blocks: _Blocks, dz: Tensor, x: Tensor, head: Tensor, grad
 
 def soft_cross_entropy(normed: Tensor, head: Tensor, target_hidden: Tensor | None, target_head: Tensor,
                        keep: Tensor | None, chunk: int, cache: TargetCache | None = None,
-                       rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                       rows: Tensor | None = None, acceptance: str | None = None,
+                       acceptance_weight: float = 1.0) -> tuple[Tensor, Tensor]:
     """(sum of soft cross-entropies, [N] bool: draft top-1 == verifier top-1) over N rows.
 
     normed [N, H]: the draft's norm output; head [Vd, H]: draft lm_head; target_hidden [N, H]:
     the verifier's final hidden states; target_head [V, H]: its lm_head; keep [Vd]: target id
     of each draft id (pruned vocabulary) or None. With a TargetCache, rows [N] (its row of each
-    of the N) replace target_hidden, and no verifier logits are computed.
+    of the N) replace target_hidden, and no verifier logits are computed. acceptance "tv" | "lk":
+    the sum also holds acceptance_weight times each row's acceptance term (module docstring).
     """
-    return ChunkedSoftCE.apply(normed, head, target_hidden, target_head, keep, chunk, cache, rows)
+    if acceptance is not None and acceptance not in ACCEPTANCE_KINDS:
+        raise ValueError(f"acceptance={acceptance!r}: one of {', '.join(ACCEPTANCE_KINDS)} or None")
+    return ChunkedSoftCE.apply(normed, head, target_hidden, target_head, keep, chunk, cache, rows,
+                               acceptance, acceptance_weight)
 
 
 # ---- chunked top-k (bucket) cross-entropy ---------------------------------------------------
@@ -460,11 +550,14 @@ class Eagle3Objective(nn.Module):
     so under ZeRO-3 the engine registers it as an external parameter of this module.
     A batch with final states trains with the dense soft cross-entropy (needs target_head); one
     with top-k targets (target_ids, target_logprobs) with the bucket cross-entropy, which needs
-    no verifier head: target_head may then be None.
+    no verifier head: target_head may then be None. The acceptance term (cfg.acceptance) is refused
+    without a head (an objective for a top-k store) and on a batch of top-k targets.
     """
 
     def __init__(self, draft: Eagle3Draft, target_head: Tensor | None, cfg: ObjectiveConfig) -> None:
         super().__init__()
+        if cfg.acceptance is not None and target_head is None:
+            raise ValueError(_no_acceptance_on_topk(cfg.acceptance))
         self.draft = draft
         self.cfg = cfg
         self.register_buffer("target_head", target_head, persistent=False)      # [V, H]
@@ -498,6 +591,11 @@ class Eagle3Objective(nn.Module):
         dtype = draft.fc.weight.dtype
         keep = None if draft.d2t is None else target_ids_of(draft.d2t)
         topk = "final" not in batch                                          # top-k targets instead
+        if topk and self.cfg.acceptance is not None:
+            raise ValueError(_no_acceptance_on_topk(self.cfg.acceptance))
+        # Passed only when set: without it the dense loss runs exactly as it always has.
+        accept = ({} if self.cfg.acceptance is None else
+                  {"acceptance": self.cfg.acceptance, "acceptance_weight": self.cfg.acceptance_weight})
         if not topk and self.cfg.target_topk and self.target_head is not None:
             batch = {**batch, **topk_targets(batch, self.target_head, self.cfg.target_topk, self.cfg.chunk_bytes)}
             del batch["final"]
@@ -520,10 +618,11 @@ class Eagle3Objective(nn.Module):
             elif cache is not None:                                         # rows t+1+k from the cache
                 loss_sum, agree = soft_cross_entropy(out.normed[b, t], draft.lm_head.weight, None,
                                                      self.target_head, keep, self.chunk, cache,
-                                                     cache.index[b, t + 1 + k])
+                                                     cache.index[b, t + 1 + k], **accept)
             else:
                 loss_sum, agree = soft_cross_entropy(out.normed[b, t], draft.lm_head.weight,
-                                                     final[b, t + 1 + k], self.target_head, keep, self.chunk)
+                                                     final[b, t + 1 + k], self.target_head, keep, self.chunk,
+                                                     **accept)
             n = b.numel()
             loss = loss + weight * loss_sum.float() / max(n, 1)
             sums.append(loss_sum.detach())
@@ -535,6 +634,11 @@ class Eagle3Objective(nn.Module):
             chain.append(alive.sum().double())
         return ObjectiveOutput(loss, StepStats(torch.stack(sums), torch.stack(correct), torch.stack(counts),
                                                torch.stack(chain)))
+
+
+def _no_acceptance_on_topk(kind: str) -> str:
+    return (f"acceptance={kind!r} needs the verifier's whole distribution (alpha = sum_v min(p, q)), "
+            "and top-k targets keep only its top-k: train a top-k store without it (acceptance: null)")
 
 
 def simulated_accept_length(acceptance: Tensor | list[float]) -> float:
