@@ -136,6 +136,8 @@ def make_llm(model_dir: Path, engine: DictConfig, **extra: Any):
     (speculative_config, max_model_len, ...)."""
     if engine.kv_cache_space_gib is not None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(engine.kv_cache_space_gib)
+    if engine.reserved_cpus is not None:
+        os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(engine.reserved_cpus)
     # dump/capture.py ships its hook functions to the workers through collective_rpc, which
     # vLLM serialises with cloudpickle only with this consent.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
