@@ -162,14 +162,15 @@ def figures(name: str, run_dir: Path, timed: bool) -> dict[str, Any]:
         last = heldout[-1]
         K = sum(1 for key in last if key.startswith("acc_"))
         out |= {"chain_accept_length": last["chain_accept_length"], "accept_length": last["accept_length"],
-                "top1": [last[f"acc_{k}"] for k in range(K)], "heldout_loss": [last.get(f"loss_{k}") for k in range(K)]}
+                "top1": [last[f"acc_{k}"] for k in range(K)], "heldout_loss": [last.get(f"loss_{k}") for k in range(K)],
+                "heldout_positions": last.get("tokens_counted")}
     return out
 
 
 def table(report: dict[str, Any]) -> str:
     rows = report["variants"]
-    lines = ["| variant | builds on | lever | chain accept | delta | top-1 per TTT position | tokens/s | peak RSS GiB | RSS step 20 / last GiB |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| variant | builds on | lever | chain accept | delta | top-1 per TTT position | held-out positions | tokens/s | peak RSS GiB | RSS step 20 / last GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     gib = 1024 ** 3
     for name, r in rows.items():
         parent = rows.get(r["parent"]) if r["parent"] else None
@@ -182,7 +183,7 @@ def table(report: dict[str, Any]) -> str:
         flat = (f"{r['rss_bytes_step20'] / gib:.2f} / {r['rss_bytes_last'] / gib:.2f}"
                 if r["rss_bytes_step20"] and r["rss_bytes_last"] else "-")
         lines.append(f"| {name} | {r['parent'] or ''} | {r['lever']} | {'-' if chain is None else f'{chain:.3f}'} "
-                     f"| {delta} | {top1} | {speed} | {peak} | {flat} |")
+                     f"| {delta} | {top1} | {r.get('heldout_positions') or '-'} | {speed} | {peak} | {flat} |")
     return "\n".join(lines) + "\n"
 
 

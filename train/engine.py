@@ -112,7 +112,7 @@ def precision_of(precision: str, device_type: str | None = None,
     - with them bf16 is faster: 2,551 against 1,944 tokens/s fp32 (medians, steps 11-40/300, 2-core
       AMD EPYC with avx512_bf16, `make dump`'s store), the same held-out figures. Its memory stays
       flat only because micro-batch lengths are padded to a grid (train.pad_multiple; free lengths
-      grew 0.78 -> 2.25 GiB over 40 steps, a 256-token grid held 1.12-1.44 GiB over 300).
+      grew 0.78 -> 2.25 GiB over 40 steps; on a 256-token grid 1.1 GiB at step 25, 1.4-1.6 at 300).
     device_type: default, DeepSpeed's accelerator here."""
     if precision not in PRECISIONS:
         raise ValueError(f"train.precision {precision!r}: use one of {', '.join(PRECISIONS)}")
