@@ -51,7 +51,7 @@ def assert_matches_transformers(sample: CapturedSample, input_ids: Sequence[int]
 @pytest.fixture(scope="module")
 def prompts(kimi_tiny_dir: Path) -> list[list[int]]:
     """Three real ShareGPT conversations through the chat template, of different lengths."""
-    cfg = compose_config("dump")
+    cfg = compose_config("dump", ["data=sharegpt"])   # the file's first three, not the default's code mix
     tokenizer = AutoTokenizer.from_pretrained(kimi_tiny_dir)
     convs = islice(load_conversations(cfg.data, "train"), 3)
     return [tokenize_conversation(tokenizer, c, 300, "truncate").input_ids.tolist() for c in convs]
