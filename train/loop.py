@@ -68,8 +68,7 @@ def _objective_config(cfg: DictConfig, steps: int | None = None) -> ObjectiveCon
     return ObjectiveConfig(steps=int(steps or cfg.train.ttt.steps), decay=float(cfg.train.ttt.decay),
                            chunk_bytes=int(loss.chunk_bytes), target_topk=loss.get("target_topk"),
                            target_cache_bytes=int(loss.get("target_cache_bytes", 0)),
-                           acceptance=loss.get("acceptance"),
-                           acceptance_weight=float(loss.get("acceptance_weight", 1.0)))
+                           acceptance=loss.acceptance, acceptance_weight=float(loss.acceptance_weight))
 
 
 def _pruned_vocab(cfg: DraftConfig, split: StoreSplit, run_dir: Path, verifier: Path) -> torch.Tensor:
