@@ -95,6 +95,12 @@ ACCEPTANCE_KINDS = ("tv", "lk")
 ALPHA_FLOOR = 1e-6
 
 
+def check_acceptance(kind: str | None) -> None:
+    """Refuse an acceptance term other than null, tv or lk (the chunked maths treats any non-tv as lk)."""
+    if kind is not None and kind not in ACCEPTANCE_KINDS:
+        raise ValueError(f"acceptance={kind!r}: one of {', '.join(ACCEPTANCE_KINDS)} or null")
+
+
 @dataclass(frozen=True)
 class ObjectiveConfig:
     steps: int                 # TTT steps K
@@ -108,8 +114,7 @@ class ObjectiveConfig:
     def __post_init__(self) -> None:
         if self.acceptance is None:
             return
-        if self.acceptance not in ACCEPTANCE_KINDS:
-            raise ValueError(f"acceptance={self.acceptance!r}: one of {', '.join(ACCEPTANCE_KINDS)} or null")
+        check_acceptance(self.acceptance)
         if not (math.isfinite(self.acceptance_weight) and self.acceptance_weight >= 0):
             raise ValueError(f"acceptance_weight={self.acceptance_weight}: a finite weight >= 0")
         if self.target_topk:
@@ -418,8 +423,7 @@ def soft_cross_entropy(normed: Tensor, head: Tensor, target_hidden: Tensor | Non
     of the N) replace target_hidden, and no verifier logits are computed. acceptance "tv" | "lk":
     the sum also holds acceptance_weight times each row's acceptance term (module docstring).
     """
-    if acceptance is not None and acceptance not in ACCEPTANCE_KINDS:
-        raise ValueError(f"acceptance={acceptance!r}: one of {', '.join(ACCEPTANCE_KINDS)} or None")
+    check_acceptance(acceptance)
     return ChunkedSoftCE.apply(normed, head, target_hidden, target_head, keep, chunk, cache, rows,
                                acceptance, acceptance_weight)
 
