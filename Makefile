@@ -71,7 +71,7 @@ dump: setup
 # `make train [ARGS="<hydra overrides>"]`: stage 2 on `make dump`'s store (conf/train.yaml).
 # NPROC=N: N ranks on this machine through torchrun (gloo on CPU, NCCL on GPU). Several nodes:
 # run `torchrun --nnodes M --node_rank i --rdzv_endpoint host:port -m train` on each, or
-# `deepspeed --hostfile hostfile --module train` (train/engine.py). Sweeps: ARGS="-m train.ttt.steps=1,4".
+# `deepspeed --hostfile hostfile --module train` (train/distributed.py). Sweeps: ARGS="-m train.ttt.steps=1,4".
 NPROC ?= 1
 ifeq ($(NPROC),1)
 TRAIN_LAUNCH := $(PY) -m train

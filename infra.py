@@ -3,9 +3,9 @@
 REPO_ROOT and CONF_DIR (the one Hydra config folder); `resolve` for config paths given relative
 to the repository; `configure_environment()`, which each entry point (`python -m dump`, `-m train`,
 `-m evaluation`, tools, benchmarks, the test suite) calls before transformers, huggingface_hub or
-vLLM are imported; `compose_config` for the configs outside an entry point; `failpoint`, the named
-places where the fault suite makes a process die or fail; `cpu_flags`, the CPU's instruction-set
-features, on which the CPU engine's attention backend depends.
+vLLM are imported; `failpoint`, the named places where the fault suite makes a process die or
+fail; `cpu_flags`, the CPU's instruction-set features, on which the CPU engine's attention
+backend depends. Config composition is config/'s.
 Importing this module changes nothing.
 """
 from __future__ import annotations
@@ -16,10 +16,6 @@ import signal
 from collections import Counter
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from omegaconf import DictConfig
 
 REPO_ROOT = Path(__file__).resolve().parent
 CONF_DIR = REPO_ROOT / "conf"
@@ -54,14 +50,6 @@ def configure_environment() -> None:
     }
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
-
-
-def compose_config(name: str, overrides: list[str] | None = None) -> DictConfig:
-    """The config an entry point would see for these command-line overrides (tests, benchmarks)."""
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return compose(config_name=name, overrides=overrides or [])
 
 
 # ---- fault injection -------------------------------------------------------------------------

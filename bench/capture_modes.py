@@ -24,7 +24,7 @@ from transformers import AutoTokenizer  # noqa: E402
 from bench.dump import prompt_bench_args, prompts_of, timed  # noqa: E402
 from dump.capture import HiddenStateCapture, capture_spec, start_capture_engine  # noqa: E402
 from dump.engine import shutdown_llm  # noqa: E402
-from infra import compose_config  # noqa: E402
+from config import compose_config  # noqa: E402
 from model.verifier import verifier_dir  # noqa: E402
 
 # Eager: the CPU config as `make dump` runs it. Compiled: the GPU config's setting

@@ -36,7 +36,8 @@ from omegaconf import OmegaConf
 
 import infra
 from data.conversations import load_conversations
-from infra import REPO_ROOT, compose_config, resolve
+from infra import REPO_ROOT, resolve
+from config import compose_config
 from store import (StoreReader, StoreWriter, encode_bf16, encode_bf16_planes, encode_fp8, inspect_store,
                    verifier_identity)
 

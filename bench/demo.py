@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from infra import REPO_ROOT, compose_config, resolve
+from infra import REPO_ROOT, resolve
+from config import compose_config
 from train.metrics import read_jsonl
 
 DEMO = REPO_ROOT / "runs" / "demo"

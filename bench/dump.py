@@ -29,7 +29,8 @@ from data.conversations import load_conversations  # noqa: E402
 from data.template import SampleRejected, tokenize_conversation  # noqa: E402
 from dump.capture import HiddenStateCapture, capture_spec, start_capture_engine  # noqa: E402
 from dump.engine import shutdown_llm  # noqa: E402
-from infra import REPO_ROOT, compose_config  # noqa: E402
+from infra import REPO_ROOT  # noqa: E402
+from config import compose_config  # noqa: E402
 from model.verifier import verifier_dir  # noqa: E402
 from store import StoreWriter, inspect_store, verifier_identity  # noqa: E402
 

@@ -11,7 +11,7 @@ Needs PyTorch, hydra-core and omegaconf (the project's config and draft code), w
 requirements (PyYAML, antlr4-python3-runtime); nothing else: not vLLM, DeepSpeed, transformers,
 safetensors, numpy, nor the store's zarr, numcodecs and crc32c (tests/test_gpu.py runs the smoke
 mode with every other installed package unimportable). Two options need more: `--engine deepspeed`
-uses train/engine.py and needs DeepSpeed; `train.loss.target_topk=<k>` computes the top-k with
+uses train/deepspeed_setup.py and needs DeepSpeed; `train.loss.target_topk=<k>` computes the top-k with
 the store's encoder (store/encoding.py) and needs the store's packages.
 
 What runs: the project's Eagle3Objective (model/draft.py's MLA draft, TTT steps, the chunked soft
@@ -64,13 +64,16 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig
-from torch import Tensor, nn
+from torch import nn
 
 import infra
-from infra import REPO_ROOT, compose_config
+from infra import REPO_ROOT
+from config import compose_config
+from model.batch import Batch
+from model.chain import step_inputs
 from model.draft import DraftConfig, Eagle3Draft
 from model.mla import attention_block_size
-from train.objective import Eagle3Objective, ObjectiveConfig, step_inputs
+from train.objective import Eagle3Objective, ObjectiveConfig
 from train.plan import GIB, MemoryPlan, PlanSpec, memory_plan
 
 infra.configure_environment()  # caches in the repo (torch extensions, Triton)
@@ -113,16 +116,16 @@ def synthetic_objective(draft_cfg: DraftConfig, objective_cfg: ObjectiveConfig, 
     return objective
 
 
-def synthetic_batch(draft_cfg: DraftConfig, max_len: int, device: torch.device, seed: int = 0) -> dict[str, Tensor]:
-    """One row of one sample of max_len tokens, every position loss-masked (train/batches.py's keys)."""
+def synthetic_batch(draft_cfg: DraftConfig, max_len: int, device: torch.device, seed: int = 0) -> Batch:
+    """One row of one sample of max_len tokens, every position loss-masked."""
     g = torch.Generator(device=device).manual_seed(seed)
     T, H = max_len, draft_cfg.target_hidden_size
-    return {"input_ids": torch.randint(0, draft_cfg.vocab_size, (1, T), generator=g, device=device),
-            "loss_mask": torch.ones(1, T, dtype=torch.bool, device=device),
-            "aux": torch.randn(1, T, draft_cfg.num_aux * H, generator=g, device=device).bfloat16(),
-            "final": torch.randn(1, T, H, generator=g, device=device).bfloat16(),
-            "position_ids": torch.arange(T, device=device)[None],
-            "segment_ids": torch.zeros(1, T, dtype=torch.long, device=device)}
+    input_ids = torch.randint(0, draft_cfg.vocab_size, (1, T), generator=g, device=device)
+    aux = torch.randn(1, T, draft_cfg.num_aux * H, generator=g, device=device).bfloat16()
+    final = torch.randn(1, T, H, generator=g, device=device).bfloat16()
+    return Batch(input_ids=input_ids, loss_mask=torch.ones(1, T, dtype=torch.bool, device=device), aux=aux,
+                 position_ids=torch.arange(T, device=device)[None],
+                 segment_ids=torch.zeros(1, T, dtype=torch.long, device=device), final=final)
 
 
 # ---- model FLOPs ---------------------------------------------------------------------------------
@@ -137,7 +140,7 @@ def _executed_score_pairs(L: int, B: int, heads: int) -> int:
     return sum((min(start + block, L) - start) * min(start + block, L) for start in range(0, L, block))
 
 
-def model_flops(draft: Eagle3Draft, batch: dict[str, Tensor], steps: int, *, executed: bool = False) -> int:
+def model_flops(draft: Eagle3Draft, batch: Batch, steps: int, *, executed: bool = False) -> int:
     """Model FLOPs of one forward + backward of the objective on `batch` (module docstring).
 
     executed: the matmul FLOPs the kernels run instead: every position of the row, the attention's
@@ -145,7 +148,7 @@ def model_flops(draft: Eagle3Draft, batch: dict[str, Tensor], steps: int, *, exe
     (2 x dqk more per pair), no diagonal keys (element-wise), and the chunked loss's backward
     recomputing both heads' logits (what torch's FlopCounterMode counts)."""
     cfg = draft.config
-    real = batch["segment_ids"] >= 0
+    real = batch.real
     B, L = real.shape
     T = B * L if executed else int(real.sum())
     head_flops = (6 if cfg.train_head else 4) * cfg.draft_vocab_size * cfg.hidden_size
@@ -154,7 +157,7 @@ def model_flops(draft: Eagle3Draft, batch: dict[str, Tensor], steps: int, *, exe
         head_flops += 2 * cfg.draft_vocab_size * cfg.hidden_size
         target_flops += 2 * cfg.vocab_size * cfg.hidden_size
     attention_width = 2 * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
-    causal = int(((batch["position_ids"] + 1) * real).sum())
+    causal = int(((batch.position_ids + 1) * real).sum())
     executed_attention = B * cfg.num_attention_heads * _executed_score_pairs(L, B, cfg.num_attention_heads) * (
         attention_width // cfg.num_attention_heads * 3 + 2 * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim))
     flops = 4 * draft.fc.weight.numel() * T
@@ -194,13 +197,13 @@ class MixedPrecisionAdamW:
                 m.grad = None
 
 
-def plain_step(objective: Eagle3Objective, cfg: DictConfig) -> Callable[[dict[str, Tensor]], float]:
+def plain_step(objective: Eagle3Objective, cfg: DictConfig) -> Callable[[Batch], float]:
     t = cfg.train
     params = [p for p in objective.parameters() if p.requires_grad]
     optimizer = MixedPrecisionAdamW(params, float(t.lr), tuple(t.betas), float(t.eps), float(t.weight_decay),
                                     float(t.grad_clip))
 
-    def step(batch: dict[str, Tensor]) -> float:
+    def step(batch: Batch) -> float:
         loss = objective(batch).loss
         loss.backward()
         optimizer.step()
@@ -210,14 +213,15 @@ def plain_step(objective: Eagle3Objective, cfg: DictConfig) -> Callable[[dict[st
 
 
 def deepspeed_step(objective: Eagle3Objective, cfg: DictConfig, total_steps: int
-                   ) -> tuple[Callable[[dict[str, Tensor]], float], Any]:
-    """train/engine.py's DeepSpeed engine (the trainer's own path)."""
-    from train import engine as E
+                   ) -> tuple[Callable[[Batch], float], Any]:
+    """train/deepspeed_setup.py's DeepSpeed engine (the trainer's own path)."""
+    from train.deepspeed_setup import initialize
+    from train.distributed import init_distributed
 
-    E.init_distributed()
-    engine = E.initialize(objective, cfg, total_steps)
+    init_distributed()
+    engine = initialize(objective, cfg, total_steps)
 
-    def step(batch: dict[str, Tensor]) -> float:
+    def step(batch: Batch) -> float:
         loss = engine(batch).loss
         engine.backward(loss)
         engine.step()
@@ -246,7 +250,7 @@ def run_attempt(cfg: DictConfig, draft_cfg: DraftConfig, plan: MemoryPlan, devic
         batch = synthetic_batch(draft_cfg, spec.max_len, device)
         flops = model_flops(objective.draft, batch, spec.ttt_steps)
         executed = model_flops(objective.draft, batch, spec.ttt_steps, executed=True)
-        tokens = int((batch["segment_ids"] >= 0).sum())
+        tokens = int(batch.tokens())
         if engine_name == "deepspeed":
             step, engine = deepspeed_step(objective, cfg, warmup + steps)
         else:

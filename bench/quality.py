@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if not (args.store / "store.json").exists():
         parser.error(f"{args.store}: no store (run `make dump` first)")
-    from infra import compose_config
+    from config import compose_config
     from train.batches import StoreSplit
 
     cfg = compose_config("train")

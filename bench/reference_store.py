@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from infra import compose_config
+from config import compose_config
 
 
 def write_reference_store(path: Path, samples: int, max_len: int) -> int:

@@ -46,7 +46,8 @@ from typing import Any
 import torch
 
 import infra
-from infra import REPO_ROOT, compose_config
+from infra import REPO_ROOT
+from config import compose_config
 
 infra.configure_environment()
 

@@ -52,7 +52,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import infra
 from bench.gpu_train import model_flops, peak_flops
-from infra import REPO_ROOT, compose_config, process_memory_bytes, resolve
+from infra import REPO_ROOT, process_memory_bytes, resolve
+from config import compose_config
+from model.batch import Batch
 
 infra.configure_environment()  # offline hubs, caches in the repo (DeepSpeed's torch extensions, Triton)
 
@@ -117,9 +119,10 @@ def write_store(path: Path, cfg: DictConfig, conversations: int) -> dict[str, An
             "build_s": time.perf_counter() - started}
 
 
-def store_batch(cfg: DictConfig, setup) -> dict[str, torch.Tensor]:
+def store_batch(cfg: DictConfig, setup) -> Batch:
     """The first micro-batch of the run's row stream."""
-    from train.batches import PackedRows, collate_rows
+    from model.batch import collate_rows
+    from train.batches import PackedRows
 
     t = cfg.train
     stream = setup.split.train_stream(int(t.max_len), int(cfg.seed))
@@ -129,10 +132,10 @@ def store_batch(cfg: DictConfig, setup) -> dict[str, torch.Tensor]:
     return collate_rows([rows[i] for i in range(len(rows))])
 
 
-def synthetic_batch(cfg: DictConfig, rows: int, seed: int = 0) -> dict[str, torch.Tensor]:
+def synthetic_batch(cfg: DictConfig, rows: int, seed: int = 0) -> Batch:
     """Rows of max_len tokens, 4 samples each, half of the tokens assistant-written."""
+    from model.batch import RowSample, collate_rows, pack_row
     from model.draft import DraftConfig
-    from train.batches import collate_rows, pack_row
 
     d = DraftConfig.from_conf(cfg.draft)
     g = torch.Generator().manual_seed(seed)
@@ -141,10 +144,10 @@ def synthetic_batch(cfg: DictConfig, rows: int, seed: int = 0) -> dict[str, torc
     for _ in range(rows):
         samples = []
         for n in (L // 4,) * 3 + (L - 3 * (L // 4),):
-            samples.append((torch.randint(0, d.vocab_size, (n,), generator=g),
-                            torch.rand(n, generator=g) < 0.5,
-                            torch.randn(n, d.num_aux, H, generator=g).bfloat16(),
-                            torch.randn(n, H, generator=g).bfloat16()))
+            samples.append(RowSample(torch.randint(0, d.vocab_size, (n,), generator=g),
+                                     torch.rand(n, generator=g) < 0.5,
+                                     torch.randn(n, d.num_aux, H, generator=g).bfloat16(),
+                                     torch.randn(n, H, generator=g).bfloat16()))
         out.append(pack_row(samples, L))
     return collate_rows(out)
 
@@ -152,17 +155,17 @@ def synthetic_batch(cfg: DictConfig, rows: int, seed: int = 0) -> dict[str, torc
 def synthetic_setup(cfg: DictConfig):
     """What build_objective needs without a store: the verifier's head; shapes from the draft config."""
     from model.draft import DraftConfig
-    from model.verifier import verifier_dir
+    from model.verifier_handle import Verifier
     from train.loop import RunSetup
 
-    vdir = verifier_dir(cfg.verifier)
+    verifier = Verifier.from_conf(cfg.verifier)
     # No store: no split (build_objective reads draft_cfg, verifier and d2t only); steps as configured.
-    return RunSetup(draft_cfg=DraftConfig.from_conf(cfg.draft, vdir), split=None, verifier=vdir, d2t=None,
+    return RunSetup(draft_cfg=DraftConfig.from_conf(cfg.draft, verifier), split=None, verifier=verifier, d2t=None,
                     total_steps=int(cfg.train.steps or 0),
                     rows_per_step=int(cfg.train.micro_batch) * int(cfg.train.grad_accum))
 
 
-def bench_batch(cfg: DictConfig, choice: str) -> tuple[Any, dict[str, torch.Tensor], dict[str, Any]]:
+def bench_batch(cfg: DictConfig, choice: str) -> tuple[Any, Batch, dict[str, Any]]:
     """(the run's setup, one micro-batch, what data it is) for --batch `choice`."""
     from train.loop import prepare
 
@@ -182,15 +185,15 @@ def bench_batch(cfg: DictConfig, choice: str) -> tuple[Any, dict[str, torch.Tens
     return setup, store_batch(cfg, setup), data
 
 
-def batch_contents(batch: dict[str, torch.Tensor]) -> dict[str, int]:
-    real = batch["segment_ids"] >= 0
-    samples = sum(int(row[row >= 0].unique().numel()) for row in batch["segment_ids"])
+def batch_contents(batch: Batch) -> dict[str, int]:
+    real = batch.real
+    samples = sum(int(row[row >= 0].unique().numel()) for row in batch.segment_ids)
     return {"rows": int(real.shape[0]), "samples": samples, "tokens": int(real.sum()),
-            "loss_tokens": int((batch["loss_mask"].bool() & real).sum())}
+            "loss_tokens": int((batch.loss_mask.bool() & real).sum())}
 
 
 # ---- steps ---------------------------------------------------------------------------------------
-def count_flops(objective: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
+def count_flops(objective: torch.nn.Module, batch: Batch) -> int:
     counter = FlopCounterMode(display=False)
     with counter:
         objective(batch).loss.backward()
@@ -199,10 +202,10 @@ def count_flops(objective: torch.nn.Module, batch: dict[str, torch.Tensor]) -> i
 
 
 def deepspeed_step_time(cfg: DictConfig, objective, batch, total_steps: int, repeats: int) -> float:
-    from train import engine as E
+    from train.deepspeed_setup import initialize
 
-    engine = E.initialize(objective, cfg, total_steps)
-    batch = {k: v.to(engine.device) for k, v in batch.items()}
+    engine = initialize(objective, cfg, total_steps)
+    batch = batch.to(engine.device)
 
     def step() -> None:
         for _ in range(int(cfg.train.grad_accum)):
@@ -216,7 +219,7 @@ def deepspeed_step_time(cfg: DictConfig, objective, batch, total_steps: int, rep
 
 def plain_step_time(cfg: DictConfig, objective, batch, total_steps: int, repeats: int) -> float:
     """The same work without DeepSpeed: torch AdamW, clip_grad_norm_, the same lr schedule."""
-    from train.engine import lr_factor, warmup_steps_of
+    from train.deepspeed_setup import lr_factor, warmup_steps_of
 
     t = cfg.train
     params = [p for p in objective.parameters() if p.requires_grad]
@@ -331,13 +334,13 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="hydra overrides of conf/train.yaml")
     args = parser.parse_args()
 
-    from train import engine as E
+    from train.distributed import init_distributed
     from train.loop import build_objective
 
     cfg = compose_config("train", args.overrides)
     if cfg.train.threads:
         torch.set_num_threads(int(cfg.train.threads))
-    E.init_distributed()
+    init_distributed()
     RUN_DIR.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"command": command_line(), "machine": platform.processor() or platform.machine(),
                               "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
@@ -348,7 +351,7 @@ def main() -> None:
     report["data"] = {**data, "batch": batch_contents(batch)}
     print(json.dumps(report["data"]), flush=True)
     grad_accum = int(cfg.train.grad_accum)
-    tokens = int((batch["segment_ids"] >= 0).sum()) * grad_accum
+    tokens = int(batch.tokens()) * grad_accum
     total = WARMUP + args.steps
     dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -358,7 +361,7 @@ def main() -> None:
     ttt_steps = int(cfg.train.ttt.steps)
     model = model_flops(objective.draft, batch, ttt_steps) * grad_accum   # before ZeRO partitions weights
     fp32_copy = copy.deepcopy(objective)          # before DeepSpeed changes it in place
-    executed = count_flops(copy.deepcopy(objective).to(device, dtype), {k: v.to(device) for k, v in batch.items()})
+    executed = count_flops(copy.deepcopy(objective).to(device, dtype), batch.to(device))
     executed *= grad_accum
     ds_time = deepspeed_step_time(cfg, objective, batch, total, args.steps)
     matmul = matmul_flops(dtype, device)
@@ -373,7 +376,7 @@ def main() -> None:
     fp32 = compose_config("train", [*args.overrides, "train.precision=fp32"])
     plain_model = copy.deepcopy(fp32_copy).to(device)
     ds32 = deepspeed_step_time(fp32, fp32_copy, batch, total, args.steps)
-    plain = plain_step_time(fp32, plain_model, {k: v.to(device) for k, v in batch.items()}, total, args.steps)
+    plain = plain_step_time(fp32, plain_model, batch.to(device), total, args.steps)
     report["deepspeed_vs_plain"] = {"precision": "fp32", "deepspeed_step_s": ds32, "plain_step_s": plain,
                                     "deepspeed_over_plain": ds32 / plain}
     print(json.dumps(report["deepspeed_vs_plain"]), flush=True)

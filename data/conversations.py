@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Literal
 
-from data.records import _Invalid, _Raw, _raw_records
+from data.records import Origin, _Invalid, _Raw, _raw_records
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +71,10 @@ class Conversation:
     id: str
     messages: tuple[Message, ...]
     category: str = "dialogue"
-    # "<file name>:<line>" of the record, so that a later rejection (over-long, non-finite
+    # The record's file name and line, so that a later rejection (over-long, non-finite
     # states) can point at it; not part of equality: the same record read from a JSONL file
     # and from a JSON array is the same conversation.
-    origin: str | None = field(default=None, compare=False)
+    origin: Origin | None = field(default=None, compare=False)
 
 
 class RecordError(ValueError):
@@ -213,10 +213,7 @@ def load_conversations(
         conversations = read_humaneval()
     else:
         path = cfg["path"] if cfg["path"] is not None else _default_path(format)
-        # Configs recorded before require_answer existed (the verifier's training facts, older
-        # stores) always required an answer.
-        conversations = read_conversations(path, format, cfg["on_error"], stats,
-                                           cfg.get("require_answer", True))
+        conversations = read_conversations(path, format, cfg["on_error"], stats, cfg["require_answer"])
     split_key = sharegpt_split_key if format == "sharegpt" else (lambda sample_id: sample_id)
     fraction, seed, category = cfg["heldout_fraction"], cfg["split_seed"], cfg["category"]
 
@@ -227,8 +224,7 @@ def load_conversations(
         return held_out == (split == "heldout")
 
     chosen = (dataclasses.replace(c, category=category) for c in conversations if wanted(c))
-    # Configs recorded before `select` existed took the file's order.
-    select = cfg.get("select")
+    select = cfg["select"]
     if select is not None:
         chosen = select_share(chosen, select["pattern"], select["share"], cfg["max_samples"])
     return itertools.islice(chosen, cfg["max_samples"])
@@ -362,7 +358,7 @@ def _conversation(
     if drop_leading_assistant:
         messages, trimmed = _drop_leading_assistant(messages)
     _check_turns(messages, require_answer)
-    return Conversation(sample_id, tuple(messages), origin=f"{path.name}:{raw.line}"), trimmed
+    return Conversation(sample_id, tuple(messages), origin=Origin(path.name, raw.line)), trimmed
 
 
 def _take_id(first_lines: dict[str, int], sample_id: str, line: int, path: pathlib.Path) -> None:

@@ -1,6 +1,7 @@
 """Raw records of a conversation file, streamed: the lines of a JSONL file or the items of a
 top-level JSON array, each with the line it starts on. A record that cannot be parsed comes with
 its problem (`_Invalid`) instead of a value; data/conversations.py validates the others.
+`Origin` is where a record is: the file's name and the line it starts on.
 """
 from __future__ import annotations
 
@@ -19,6 +20,18 @@ _PIECE_BYTES = 1 << 16
 _WHITESPACE = b" \t\r\n"
 # A JSON string never holds an unescaped quote, so this only matches a real "id" key.
 _ID_KEY = re.compile(rb'"id"\s*:\s*"((?:[^"\\]|\\.)*)"')
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a record is: its file's name and the line it starts on (None: the file as a whole).
+    Its text, "<file>:<line>", is how messages point at the record."""
+
+    file: str
+    line: int | None = None
+
+    def __str__(self) -> str:
+        return self.file if self.line is None else f"{self.file}:{self.line}"
 
 
 class _Invalid(Exception):

@@ -17,6 +17,8 @@ from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from data.conversations import Conversation
+from data.records import Origin
+from data.rejection import Rejection, RejectionKind
 
 OverLong = Literal["truncate", "drop"]
 
@@ -27,17 +29,21 @@ class TokenizedSample:
     category: str
     input_ids: np.ndarray  # [T] int32
     loss_mask: np.ndarray  # [T] bool
-    origin: str | None = None  # the record's "<file name>:<line>" (Conversation.origin)
+    origin: Origin | None = None  # the record's file and line (Conversation.origin)
 
 
 class SampleRejected(ValueError):
-    """A conversation that cannot become a training sample. The message names it and the record
-    it came from; `kind` is the reason in a few words, which the dump's summary counts."""
+    """A conversation that cannot become a training sample; `rejection` is its record (kind,
+    sample, reason, origin), which the store keeps and the dump's summary counts by kind. The
+    message is the record's: it names the sample and the record it came from."""
 
-    def __init__(self, conv: Conversation, kind: str, detail: str) -> None:
-        self.kind = kind
-        where = f"sample {conv.id}" if conv.origin is None else f"{conv.origin} (sample {conv.id})"
-        super().__init__(f"{where}: {detail}")
+    def __init__(self, conv: Conversation, kind: RejectionKind, detail: str) -> None:
+        self.rejection = Rejection(kind, conv.id, detail, conv.origin)
+        super().__init__(str(self.rejection))
+
+    @property
+    def kind(self) -> RejectionKind:
+        return self.rejection.kind
 
 
 def as_chat(conv: Conversation) -> list[dict[str, str]]:
@@ -49,22 +55,22 @@ def tokenize_conversation(tokenizer: PreTrainedTokenizerBase, conv: Conversation
     """Render `conv` with the chat template; mark assistant tokens; apply the over-long policy."""
     if not any(m.role == "assistant" for m in conv.messages):
         # Regeneration can leave nothing to learn from (no answer fitted in max_len).
-        raise SampleRejected(conv, "no assistant turn", "no assistant turn")
+        raise SampleRejected(conv, RejectionKind.NO_ASSISTANT_TURN, "no assistant turn")
     try:
         out = tokenizer.apply_chat_template(as_chat(conv), tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True)
     except TemplateError as err:
         # A template's raise_exception refuses what its format cannot express; that is this
         # conversation's problem, not a reason to stop the dump.
-        raise SampleRejected(conv, "chat template", f"chat template failed: {err}") from None
+        raise SampleRejected(conv, RejectionKind.CHAT_TEMPLATE, f"chat template failed: {err}") from None
     ids = np.asarray(out["input_ids"], dtype=np.int32)
     mask = np.asarray(out["assistant_masks"], dtype=bool)
     if len(ids) > max_len:
         if over_long == "drop":
-            raise SampleRejected(conv, "over-long", f"{len(ids)} tokens > max_len {max_len}")
+            raise SampleRejected(conv, RejectionKind.OVER_LONG, f"{len(ids)} tokens > max_len {max_len}")
         ids, mask = ids[:max_len], mask[:max_len]
     if not mask.any():
-        raise SampleRejected(conv, "no assistant token",
+        raise SampleRejected(conv, RejectionKind.NO_ASSISTANT_TOKEN,
                              f"no assistant token within {max_len} tokens")
     return TokenizedSample(conv.id, conv.category, ids, mask, conv.origin)
 

@@ -13,13 +13,16 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+import config
 import infra
 
 infra.configure_environment()  # offline hubs, caches in the repo: before vLLM or transformers load
+config.register()              # the schemas conf/dump.yaml is merged onto
 
 
 @hydra.main(version_base=None, config_path=str(infra.CONF_DIR), config_name="dump")
 def dump_main(cfg: DictConfig) -> None:
+    config.check_entry(cfg, "python -m dump")
     from dump.pipeline import run_dump  # imported here: it pulls in vLLM
 
     summary = run_dump(cfg)

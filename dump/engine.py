@@ -90,11 +90,11 @@ def attention_backend(engine: DictConfig, on_cpu: bool | None = None,
     On vLLM's CPU platform (on_cpu; default: vllm.platforms.current_platform) it is
     `cpu_attention_backend` on this CPU's flags (default: infra.cpu_flags()). Elsewhere
     engine.attention_backend is passed as written, `auto` and null meaning vLLM's own choice."""
-    requested = engine.get("attention_backend")
+    requested = engine.attention_backend
     if on_cpu is None:
         on_cpu = _vllm_on_cpu()
     if not on_cpu:
-        return None if requested is None or str(requested).lower() == "auto" else str(requested)
+        return None if requested is None or requested.lower() == "auto" else requested
     if cpu_flags is None:
         from infra import cpu_flags as read_flags
 
@@ -135,9 +135,9 @@ def make_llm(model_dir: Path, engine: DictConfig, **extra: Any):
     """A vLLM engine on model_dir; `extra` adds or overrides keyword arguments
     (speculative_config, max_model_len, ...)."""
     if engine.kv_cache_space_gib is not None:
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(engine.kv_cache_space_gib)
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{engine.kv_cache_space_gib:g}"
     if engine.reserved_cpus is not None:
-        os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(engine.reserved_cpus)
+        os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = f"{engine.reserved_cpus}"
     # dump/capture.py ships its hook functions to the workers through collective_rpc, which
     # vLLM serialises with cloudpickle only with this consent.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"

@@ -27,14 +27,15 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from data.conversations import Conversation, ReadStats, load_conversations
+from data.rejection import Rejection
 from data.template import SampleRejected, TokenizedSample, tokenize_conversation
 from dump.capture import CapturedSample, HiddenStateCapture, capture_spec, start_capture_engine
 from dump.engine import shutdown_llm
 from dump.regenerate import regenerate
 from infra import failpoint, resolve
 from model.verifier import verifier_dir
-from model.verifier_weights import read_verifier_head
-from store import StoreWriter, verifier_identity
+from model.verifier_handle import Verifier
+from store import StoreWriter
 from data.packing import pack_next_fit
 
 
@@ -43,20 +44,20 @@ T = TypeVar("T")
 
 @dataclass
 class Rejections:
-    """The samples this run rejected: why, naming the record each came from, and how many of
-    each kind ("over-long", "non-finite hidden states", ...)."""
+    """The records of the samples this run rejected, by sample id, in the order they came."""
 
-    reasons: dict[str, str] = field(default_factory=dict)  # sample id -> reason
-    kinds: Counter = field(default_factory=Counter)
+    records: dict[str, Rejection] = field(default_factory=dict)
 
-    def note(self, sample_id: str, kind: str, reason: str) -> None:
-        self.reasons[sample_id] = reason
-        self.kinds[kind] += 1
+    def note(self, rejection: Rejection) -> None:
+        self.records[rejection.sample] = rejection
 
-
-def _writer_kind(reason: str) -> str:
-    """The kind of a rejection StoreWriter.add made: NaN or inf states, or no tokens."""
-    return "non-finite hidden states" if "non-finite" in reason else reason
+    def summary(self) -> dict[str, Any]:
+        """The summary's account: how many, each record as the manifest keeps it (its kind, the
+        file:line of the record it came from, and the reason), and how many of each kind."""
+        kinds = Counter(r.kind.value for r in self.records.values())
+        return {"samples_rejected": len(self.records),
+                "rejected": {sample: r.to_json() for sample, r in self.records.items()},
+                "rejected_by_kind": dict(kinds.most_common())}
 
 
 def batched(items: Iterable[T], size: int) -> Iterator[list[T]]:
@@ -81,21 +82,24 @@ def open_writer(output_dir: str | Path, verifier: DictConfig, store: DictConfig,
     record: plain values store.json keeps under `dump` (the run's resolved config). A store whose
     final side is the verifier's top-k (store=compact) gets the verifier's lm_head, in float32 on
     the GPU where there is one, to compute it."""
-    vdir = verifier_dir(verifier)
-    return StoreWriter(resolve(output_dir), verifier_identity(vdir, verifier.name),
+    handle = Verifier.open(verifier_dir(verifier), verifier.name)
+    return StoreWriter(resolve(output_dir), handle.identity,
                        list(verifier.aux_layer_ids), store, record,
                        aux_convention=verifier.aux_convention,
                        aux_capture=verifier.aux_capture,
-                       rank=rank, world_size=world_size, target_head=target_head_for(store, vdir))
+                       rank=rank, world_size=world_size, target_head=target_head_for(store, handle))
 
 
-def target_head_for(store: DictConfig, vdir: Path) -> torch.Tensor | None:
+def target_head_for(store: DictConfig, verifier: Verifier | Path) -> torch.Tensor | None:
     """The verifier's lm_head [V, H], float32 on the GPU where there is one, for storage settings
     that keep its top-k next tokens (final: topk); None for the others."""
-    if store.get("final") != "topk":
+    if store.final != "topk":
         return None
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return read_verifier_head(vdir).lm_head.to(device, torch.float32)
+    handle = Verifier.of(verifier)
+    head = handle.lm_head().to(device, torch.float32)
+    handle.release_tensors()              # the writer holds its copy; the handle keeps no other
+    return head
 
 
 def write_batch(writer: StoreWriter, capture: HiddenStateCapture, samples: list[TokenizedSample],
@@ -113,11 +117,10 @@ def write_batch(writer: StoreWriter, capture: HiddenStateCapture, samples: list[
         if sample.id in done:
             continue
         tokens += len(sample.input_ids)
-        added = writer.add(sample.id, sample.input_ids, sample.loss_mask, states.aux, states.final)
+        added = writer.add(sample.id, sample.input_ids, sample.loss_mask, states.aux, states.final,
+                           sample.origin)
         if not added and rejections is not None:
-            reason = writer.stats.rejected[sample.id]
-            where = f"{sample.origin} (sample {sample.id}): " if sample.origin else ""
-            rejections.note(sample.id, _writer_kind(reason), where + reason)
+            rejections.note(writer.stats.rejected[sample.id])
     # Shards close only between batches, so a resumed run forms the same batches.
     writer.commit_if_full()
     return tokens
@@ -142,8 +145,8 @@ def tokenize_batch(writer: StoreWriter, tokenizer: PreTrainedTokenizerBase, batc
             if conv.id in done:
                 continue
             # Recorded in the store, so a resumed run skips it and forms the same batches.
-            writer.reject(conv.id, str(err))
-            rejections.note(conv.id, err.kind, str(err))
+            writer.reject(err.rejection)
+            rejections.note(err.rejection)
     return samples
 
 
@@ -219,9 +222,7 @@ def run_dump(cfg: DictConfig, llm=None) -> dict[str, Any]:
         "tokens_written": writer.stats.tokens,
         "shards_written": writer.stats.shards,
         "samples_already_done": len(done),
-        "samples_rejected": len(rejections.reasons),
-        "rejected": rejections.reasons,  # sample id -> reason, naming the record's file:line
-        "rejected_by_kind": dict(rejections.kinds.most_common()),
+        **rejections.summary(),
         **input_summary(read_stats),
         "wall_s": elapsed,
         "tokens_per_s": tokens / elapsed if elapsed else 0.0,

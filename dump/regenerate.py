@@ -35,10 +35,10 @@ def regenerate(llm, tokenizer: PreTrainedTokenizerBase, conversations: Sequence[
     stop = [tokenizer.convert_tokens_to_ids(end_of_turn)]
     done: list[list[Message]] = [[] for _ in conversations]
     pending = [list(c.messages) for c in conversations]
-    if cfg.get("turns", "all") not in ("all", "first"):
+    if cfg.turns not in ("all", "first"):
         raise ValueError(f"regenerate.turns {cfg.turns!r}: use all or first")
     n_rounds = max(sum(m.role == "assistant" for m in c.messages) for c in conversations)
-    if cfg.get("turns", "all") == "first":
+    if cfg.turns == "first":
         n_rounds = min(n_rounds, 1)
     for _ in range(n_rounds):
         requests, owners = [], []

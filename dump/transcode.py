@@ -22,9 +22,11 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from dump.pipeline import target_head_for
-from infra import compose_config, resolve
+from infra import resolve
+from config import compose_config
 from model.verifier import verifier_dir
-from store import StoreReader, StoreWriter, verifier_identity
+from model.verifier_handle import Verifier
+from store import StoreReader, StoreWriter
 
 # Finer first: a destination may take an encoding at this rank or after its source's.
 _AUX_PRECISION = ("fp32", "bf16", "fp8", "fp4")
@@ -38,16 +40,16 @@ class TranscodeError(ValueError):
 def check_conversion(source: StoreReader, storage: DictConfig | dict[str, Any]) -> None:
     """Refuse a destination more exact than the source, naming the source and the setting."""
     src = f"store {source.path}"
-    aux, final = str(storage["aux"]), str(storage["final"])
+    aux, final = storage["aux"], storage["final"]
     if _AUX_PRECISION.index(aux) < _AUX_PRECISION.index(source.aux_encoding):
         raise TranscodeError(f"{src} keeps aux states as {source.aux_encoding}: it cannot give {aux}")
     if source.final_encoding == "topk":
-        if final != "topk" or int(storage["topk"]) > source.topk:
+        if final != "topk" or storage["topk"] > source.topk:
             raise TranscodeError(f"{src} keeps the top-{source.topk} targets only: it cannot give "
                                  f"final {final}" + (f" with topk {storage['topk']}" if final == "topk" else ""))
     elif _FINAL_PRECISION.index(final) < _FINAL_PRECISION.index(source.final_encoding):
         raise TranscodeError(f"{src} keeps final states as {source.final_encoding}: it cannot give {final}")
-    if source.final_rows == "loss" and str(storage["final_rows"]) == "all":
+    if source.final_rows == "loss" and storage["final_rows"] == "all":
         raise TranscodeError(f"{src} keeps final states on target rows only: it cannot give final_rows all")
 
 
@@ -58,8 +60,8 @@ def transcode(src: str | Path, dst: str | Path, overrides: list[str] | None = No
     source = StoreReader(resolve(src))
     cfg = compose_config("dump", list(overrides or []))
     check_conversion(source, cfg.store)
-    vdir = verifier_dir(cfg.verifier)
-    identity = verifier_identity(vdir, cfg.verifier.name)
+    verifier = Verifier.open(verifier_dir(cfg.verifier), cfg.verifier.name)
+    identity = verifier.identity
     if identity != source.identity:
         raise TranscodeError(f"store {source.path} was dumped from verifier {source.identity.get('name')!r} "
                              f"({source.identity}); the composed config names {identity}: pass its "
@@ -67,7 +69,7 @@ def transcode(src: str | Path, dst: str | Path, overrides: list[str] | None = No
     record = dict(source.dump_config, transcoded_from=str(source.path))
     writer = StoreWriter(resolve(dst), identity, source.aux_layer_ids, cfg.store, record,
                          aux_convention=source.aux_convention, aux_capture=source.aux_capture,
-                         rank=0, world_size=1, target_head=target_head_for(cfg.store, vdir))
+                         rank=0, world_size=1, target_head=target_head_for(cfg.store, verifier))
     done = writer.done_sample_ids()
     todo = [ref for ref in source.samples() if ref.sample_id not in done]
     tokens, seconds = 0, 0.0
@@ -81,7 +83,7 @@ def transcode(src: str | Path, dst: str | Path, overrides: list[str] | None = No
             tokens += ref.num_tokens
         start = time.perf_counter()
     seconds += time.perf_counter() - start   # the last shard's commit, in the writer's close
-    return {"source": str(source.path), "store": str(resolve(dst)), "mode": str(cfg.store.mode),
+    return {"source": str(source.path), "store": str(resolve(dst)), "mode": cfg.store.mode,
             "samples": len(todo), "samples_done_earlier": len(done), "tokens": tokens,
             "writer_seconds": seconds, "writer_tokens_per_s": tokens / seconds if seconds else None,
             "bytes_per_token": writer.bytes_per_token}

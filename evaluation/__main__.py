@@ -9,13 +9,16 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+import config
 import infra
 
 infra.configure_environment()  # offline hubs, caches in the repo: before vLLM or transformers load
+config.register()              # the schemas conf/eval.yaml is merged onto
 
 
 @hydra.main(version_base=None, config_path=str(infra.CONF_DIR), config_name="eval")
 def main(cfg: DictConfig) -> None:
+    config.check_entry(cfg, "python -m evaluation")
     from evaluation.run import evaluate_draft  # imported here: it pulls in transformers
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)

@@ -58,7 +58,7 @@ def first_turn(conversation: Conversation) -> Conversation:
 
 
 def load_categories(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase) -> list[Category]:
-    room = int(cfg.max_len) - int(cfg.max_tokens) - int(cfg.num_speculative_tokens) - 1
+    room = cfg.max_len - cfg.max_tokens - cfg.num_speculative_tokens - 1
     categories = []
     for name, cat in cfg.categories.items():
         prompts, too_long = [], 0
@@ -68,7 +68,7 @@ def load_categories(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase) -> list
                 too_long += 1
                 continue
             prompts.append(Prompt(conv.id, list(ids)))
-            if len(prompts) == int(cfg.num_prompts):
+            if len(prompts) == cfg.num_prompts:
                 break
         if not prompts:
             raise ValueError(f"category {name!r}: no prompt of data {cat.data.name!r} (split {cat.split}) fits "
@@ -80,21 +80,15 @@ def load_categories(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase) -> list
 
 
 def check_draft(draft_dir: Path, cfg: DictConfig) -> None:
-    """Refuse a draft made for another verifier before any engine starts."""
-    from model.aux_ids import to_vllm_aux_ids
-    from model.checkpoint import CONFIG_FILE
+    """Refuse a draft made for another verifier before any engine starts (every disagreement at
+    once: model/compatibility.py)."""
+    from model.checkpoint import CONFIG_FILE, read_draft_folder
+    from model.compatibility import check_compatible
+    from model.verifier_handle import Verifier
 
-    path = draft_dir / CONFIG_FILE
-    if not path.exists():
+    if not (draft_dir / CONFIG_FILE).exists():
         raise FileNotFoundError(f"{draft_dir}: no {CONFIG_FILE}; pass an exported draft folder (<run>/draft)")
-    found = json.loads(path.read_text())
-    arch = cfg.verifier.architecture
-    wanted = {"vocab_size": arch.vocab_size, "target_hidden_size": arch.hidden_size,
-              "eagle_aux_hidden_state_layer_ids": to_vllm_aux_ids(list(cfg.verifier.aux_layer_ids),
-                                                                  cfg.verifier.aux_convention, arch.num_hidden_layers)}
-    bad = [f"{k}: draft {found.get(k)} != verifier {v}" for k, v in wanted.items() if found.get(k) != v]
-    if bad:
-        raise ValueError(f"{path} does not fit verifier {cfg.verifier.name}: " + "; ".join(bad))
+    check_compatible(verifier=Verifier.from_conf(cfg.verifier), folder=read_draft_folder(draft_dir))
 
 
 # ---- 2. real -------------------------------------------------------------------------------
@@ -103,17 +97,17 @@ def measure_real(cfg: DictConfig, categories: list[Category], verifier: Path, dr
     from dump.engine import shutdown_llm
     from evaluation.speculative import run_prompts, speculative_engine
 
-    K = int(cfg.num_speculative_tokens)
-    llm = speculative_engine(verifier, cfg.engine, draft_dir, K, cfg.draft_sample, int(cfg.max_len))
+    K = cfg.num_speculative_tokens
+    llm = speculative_engine(verifier, cfg.engine, draft_dir, K, cfg.draft_sample, cfg.max_len)
     runs: dict[str, dict[str, Any]] = {}
     try:
         for cat in categories:
             prompts = [p.ids for p in cat.prompts]
-            runs[cat.name] = {"greedy": run_prompts(llm, prompts, K, int(cfg.max_tokens), stop)}
+            runs[cat.name] = {"greedy": run_prompts(llm, prompts, K, cfg.max_tokens, stop)}
             if cfg.sampled.enabled:
-                runs[cat.name]["sampled"] = run_prompts(llm, prompts, K, int(cfg.max_tokens), stop,
-                                                        float(cfg.sampled.temperature), float(cfg.sampled.top_p),
-                                                        int(cfg.seed))
+                runs[cat.name]["sampled"] = run_prompts(llm, prompts, K, cfg.max_tokens, stop,
+                                                        cfg.sampled.temperature, cfg.sampled.top_p,
+                                                        cfg.seed)
             logger.info("vLLM %s: %s", cat.name, {m: f"{r.counts.accept_length():.3f}" for m, r in runs[cat.name].items()})
     finally:
         shutdown_llm(llm)
@@ -136,7 +130,7 @@ def dump_texts(cfg: DictConfig, categories: list[Category], runs: dict[str, dict
     spec = capture_spec(cfg.verifier)
     own_engine = llm is None
     if own_engine:
-        llm = start_capture_engine(verifier, cfg.engine, spec, int(cfg.max_len))
+        llm = start_capture_engine(verifier, cfg.engine, spec, cfg.max_len)
     try:
         capture = HiddenStateCapture(llm, spec)
         for cat in categories:
@@ -150,12 +144,12 @@ def dump_texts(cfg: DictConfig, categories: list[Category], runs: dict[str, dict
                 done = writer.done_sample_ids()
                 samples = []
                 for prompt, answer in zip(cat.prompts, run.outputs):
-                    ids = np.asarray(prompt.ids + answer, dtype=np.int32)[:int(cfg.max_len)]
+                    ids = np.asarray(prompt.ids + answer, dtype=np.int32)[:cfg.max_len]
                     mask = np.arange(len(ids)) >= len(prompt.ids)
                     if prompt.id not in done and mask.any():
                         samples.append(TokenizedSample(prompt.id, cat.name, ids, mask))
                 lengths = [len(s.input_ids) for s in samples]
-                for call in token_batches(lengths, int(cfg.capture.max_batch_tokens)):
+                for call in token_batches(lengths, cfg.capture.max_batch_tokens):
                     write_batch(writer, capture, [samples[i] for i in call])
                 writer.close()
                 stores.setdefault(cat.name, {})[mode] = path
@@ -173,16 +167,18 @@ def simulate_all(cfg: DictConfig, stores: dict[str, dict[str, Path]], verifier: 
 
     from evaluation.simulate import Sampling, simulate_store
     from model.checkpoint import load_draft
-    from model.verifier_weights import read_verifier_head
+    from model.verifier_handle import Verifier
     from store import StoreReader
 
     if cfg.simulate.threads:
-        torch.set_num_threads(int(cfg.simulate.threads))
-    draft = load_draft(draft_dir, verifier_dir=verifier).eval()
-    head = read_verifier_head(verifier, torch.float32).lm_head                   # [V, H]
-    chunk = max(1, int(cfg.simulate.chunk_bytes) // (4 * head.shape[0]))
-    K = int(cfg.num_speculative_tokens)
-    sampling = Sampling(float(cfg.sampled.temperature), float(cfg.sampled.top_p), str(cfg.draft_sample))
+        torch.set_num_threads(cfg.simulate.threads)
+    handle = Verifier.open(verifier)
+    head = handle.lm_head(torch.float32)                                         # [V, H]
+    draft = load_draft(draft_dir, verifier_dir=handle).eval()                    # the embedding of the same read
+    handle.release_tensors()                                                     # head and draft hold copies
+    chunk = max(1, cfg.simulate.chunk_bytes // (4 * head.shape[0]))
+    K = cfg.num_speculative_tokens
+    sampling = Sampling(cfg.sampled.temperature, cfg.sampled.top_p, cfg.draft_sample)
     out = {}
     for name, by_mode in stores.items():
         greedy = simulate_store(draft, head, StoreReader(by_mode["greedy"]), K, None, chunk, progress=True).summary()
@@ -215,12 +211,13 @@ def evaluate_draft(cfg: DictConfig, run_dir: Path, capture_llm=None) -> dict[str
     from transformers import AutoTokenizer
 
     from evaluation import report
-    from model.card import run_summary, write_card
+    from model.card import write_card
     from model.verifier import verifier_dir
+    from train.run_folder import run_summary
 
     draft_dir = resolve(cfg.draft_dir)
     check_draft(draft_dir, cfg)
-    cfg.draft_sample = proposal_method(str(cfg.draft_sample), draft_dir)
+    cfg.draft_sample = proposal_method(cfg.draft_sample, draft_dir)
     verifier = verifier_dir(cfg.verifier)
     tokenizer = AutoTokenizer.from_pretrained(verifier)
     stop = [tokenizer.convert_tokens_to_ids(cfg.verifier.end_of_turn)]
@@ -239,15 +236,15 @@ def evaluate_draft(cfg: DictConfig, run_dir: Path, capture_llm=None) -> dict[str
                              "stores": {mode: str(p) for mode, p in stores[cat.name].items()}}
     sampled = (f"T={cfg.sampled.temperature:g} top-p {cfg.sampled.top_p:g}" if cfg.sampled.enabled else None)
     text = report.table(results, sampled)
-    out = {"draft_dir": str(draft_dir), "verifier": cfg.verifier.name, "num_speculative_tokens": int(cfg.num_speculative_tokens),
-           "max_tokens": int(cfg.max_tokens), "draft_sample": cfg.draft_sample, "sampled": OmegaConf.to_container(cfg.sampled),
+    out = {"draft_dir": str(draft_dir), "verifier": cfg.verifier.name, "num_speculative_tokens": cfg.num_speculative_tokens,
+           "max_tokens": cfg.max_tokens, "draft_sample": cfg.draft_sample, "sampled": OmegaConf.to_container(cfg.sampled),
            "wall_s": time.perf_counter() - began, "categories": results, "table": text}
     (run_dir / "eval.json").write_text(json.dumps(out, indent=2) + "\n")
     if cfg.plot:
         report.plot(results, run_dir / "acceptance.png",
                     f"{draft_dir.parent.name}/{draft_dir.name} on {cfg.verifier.name}: acceptance per draft position")
     if cfg.card:
-        write_card(draft_dir, cfg.verifier.name, str(cfg.verifier.path), int(cfg.verifier.serving_tp), int(cfg.verifier.serving_pp),
+        write_card(draft_dir, cfg.verifier.name, cfg.verifier.path, cfg.verifier.serving_tp, cfg.verifier.serving_pp,
                    run_summary(draft_dir), text)
     return out
 

@@ -1,6 +1,6 @@
 """Simulated accept length of an exported draft on a store's samples (no vLLM).
 
-For every sample the draft runs its chain as in training (train/objective.py's draft_chain: step
+For every sample the draft runs its chain as in training (model/chain.py's draft_chain: step
 k at position t reads x_{t+1+k} and its own previous hidden state) for K = the number of
 speculative tokens, and each draft is compared with the verifier's distribution at the position
 it predicts (the stored final hidden state through the verifier's lm_head):
@@ -23,10 +23,10 @@ from torch import Tensor
 
 from evaluation.accept import (AcceptCounts, acceptance_probability, decode_walk, expected_counts,
                                leading_run, sampling_probs)
+from model.batch import RowSample, collate_rows, pack_row
+from model.chain import draft_chain
 from model.draft import Eagle3Draft
 from store import Sample, StoreReader
-from train.batches import collate_rows, pack_row
-from train.objective import draft_chain
 
 
 @dataclass(frozen=True)
@@ -84,9 +84,9 @@ def chain_outcomes(draft: Eagle3Draft, target_head: Tensor, sample: Sample, K: i
         raise ValueError(f"sample {sample.sample_id!r} has no final hidden states (its store keeps the "
                          "verifier's top-k targets instead): the accept-length simulation needs them, "
                          "so evaluation stores must keep final states (dump them with conf/store lossless)")
-    batch = collate_rows([pack_row([(sample.input_ids, sample.loss_mask, sample.aux, sample.final)],
+    batch = collate_rows([pack_row([RowSample(sample.input_ids, sample.loss_mask, sample.aux, sample.final)],
                                    len(sample.input_ids))])
-    final = batch["final"][0]                                            # [T, H]
+    final = batch.final[0]                                               # [T, H]
     T = final.shape[0]
     agree = torch.zeros(T, K, dtype=torch.bool)
     alpha = torch.zeros(T, K) if sampling is not None else None

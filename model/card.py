@@ -14,14 +14,7 @@ from model.checkpoint import (AUX_KEY, CONFIG_FILE, DEEPSEEK_V3, EAGLE_CONFIG, E
                               engine_captures, engine_load_problems, read_folder_config, stored_names,
                               tokenspeed_flag_ids, vllm_to_sglang_aux_ids)
 
-CARD = "README.md"
-SUMMARY = "summary.json"   # a training run's summary, in the run folder that holds <run>/draft
-
-
-def run_summary(draft_dir: Path) -> dict[str, Any] | None:
-    """The summary of the training run that exported `draft_dir`, when it is a run's draft folder."""
-    path = Path(draft_dir).parent / SUMMARY
-    return json.loads(path.read_text()) if path.exists() else None
+CARD = "README.md"        # in the draft folder; a training run's summary: train/run_folder.py
 
 
 def _architecture(config: dict[str, Any], aux: list[int], names: list[str]) -> list[str]:

@@ -60,7 +60,7 @@ import json
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -70,6 +70,10 @@ from torch import Tensor
 from model.aux_ids import sglang_to_vllm_aux_ids, to_vllm_aux_ids, vllm_to_sglang_aux_ids  # noqa: F401 (re-exported)
 from model.draft import ARCHITECTURE_FLAGS, DraftConfig, Eagle3Draft, architecture_flags, layer_shapes
 from model.vocab import t2d_from_d2t
+
+if TYPE_CHECKING:
+    from model.compatibility import DraftFolder
+    from model.verifier_handle import Verifier
 
 logger = logging.getLogger(__name__)
 
@@ -513,7 +517,7 @@ def engine_load_problems(config: dict[str, Any], names: Iterable[str], cfg: Draf
 
 # ---- weights ----------------------------------------------------------------------------
 def export_tensors(draft: Eagle3Draft, dtype: torch.dtype = torch.bfloat16,
-                   verifier_dir: Path | None = None) -> dict[str, Tensor]:
+                   verifier_dir: Path | Verifier | None = None) -> dict[str, Tensor]:
     """Checkpoint name -> tensor. The module names already are vLLM's, so this casts, and adds
     the verifier's embedding where `needs_embedding`."""
     out: dict[str, Tensor] = {}
@@ -526,7 +530,7 @@ def export_tensors(draft: Eagle3Draft, dtype: torch.dtype = torch.bfloat16,
     return out
 
 
-def _verifier_embedding(draft: Eagle3Draft, verifier_dir: Path | None) -> Tensor:
+def _verifier_embedding(draft: Eagle3Draft, verifier_dir: Path | Verifier | None) -> Tensor:
     """The draft's copy of the verifier's embedding, else the verifier's own; never zeros (a
     draft rebuilt from a training state has not loaded it)."""
     if draft.embed_tokens.device.type != "meta" and torch.count_nonzero(draft.embed_tokens) > 0:
@@ -535,9 +539,9 @@ def _verifier_embedding(draft: Eagle3Draft, verifier_dir: Path | None) -> Tensor
         raise ValueError(f"a {draft.config.target_model_type} draft folder carries {EMBED} (TokenSpeed cannot "
                          "share the target's), but this draft has not loaded the verifier's embedding: pass "
                          "verifier_dir or call load_verifier_embedding first")
-    from model.verifier_weights import read_verifier_embedding
+    from model.verifier_handle import Verifier
 
-    return read_verifier_embedding(verifier_dir)
+    return Verifier.of(verifier_dir).embedding()
 
 
 def export_size_bytes(draft: Eagle3Draft, dtype: torch.dtype = torch.bfloat16) -> int:
@@ -552,7 +556,7 @@ def export_size_bytes(draft: Eagle3Draft, dtype: torch.dtype = torch.bfloat16) -
 
 
 def export_draft(draft: Eagle3Draft, out_dir: Path, dtype: torch.dtype = torch.bfloat16,
-                 verifier_dir: Path | None = None) -> Path:
+                 verifier_dir: Path | Verifier | None = None) -> Path:
     """Write config.json + model.safetensors; returns out_dir. The draft's target_model_type
     (DEEPSEEK_V3 | KIMI_K3) decides what SGLang and TokenSpeed read, and whether the folder
     carries the embedding (from the draft, else from `verifier_dir`). Warns of every engine that
@@ -594,7 +598,7 @@ def _read_tensors(path: Path) -> dict[str, Tensor]:
 
 def load_draft(
     path: Path,
-    verifier_dir: Path | None = None,
+    verifier_dir: Path | Verifier | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
 ) -> Eagle3Draft:
@@ -621,18 +625,21 @@ def load_draft(
 
 
 # ---- starting training from an exported draft --------------------------------------------
-# What fixes the tensors' shapes, what the draft reads, or how its norms are wired (the
-# architecture switches: weights trained under one wiring are no starting point for another):
-# a folder must match to seed a run.
-_INIT_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
-                "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "target_hidden_size",
-                "vocab_size", "draft_vocab_size", "aux_layer_ids", *ARCHITECTURE_FLAGS)
-# What changes the draft's computation but not its tensors: reported, training may move on from it.
-_INIT_SOFT_FIELDS = ("rms_norm_eps", "max_position_embeddings", "rope_parameters", "rope_interleave")
+def read_draft_folder(path: Path, with_d2t: bool = False) -> DraftFolder:
+    """An exported draft folder as model/compatibility.py checks it: its DraftConfig (read with
+    its tensor names where it has weights), whether it states the target's layer count, and
+    with `with_d2t` its pruned vocabulary (None for a full one)."""
+    from model.compatibility import DraftFolder
 
-
-def _init_mismatch(path: Path, field: str, found: Any, wanted: Any) -> ValueError:
-    return ValueError(f"{path} cannot start this draft: {field} is {found} there, {wanted} in the configured draft")
+    path = Path(path)
+    raw = json.loads((path / CONFIG_FILE).read_text())
+    names = stored_names(path) if (path / WEIGHTS_FILE).exists() else []
+    d2t = None
+    if with_d2t and "d2t" in names:
+        with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
+            d2t = f.get_tensor("d2t")
+    return DraftFolder(path, draft_config_from_json(raw, path / CONFIG_FILE, names),
+                       "target_num_hidden_layers" in raw, d2t)
 
 
 def init_switches(conf_flags: Mapping[str, bool | None], path: Path) -> dict[str, bool]:
@@ -653,11 +660,11 @@ def init_switches(conf_flags: Mapping[str, bool | None], path: Path) -> dict[str
     return switches
 
 
-def draft_config_for_run(draft_conf: Mapping[str, Any], verifier_dir: Path | None,
+def draft_config_for_run(draft_conf: Mapping[str, Any], verifier: Verifier | Path | None,
                          init_from: Path | str | None) -> DraftConfig:
     """DraftConfig.from_conf, with the switches of the `train.init_from` folder where the conf
     leaves them null (null without init_from: off)."""
-    cfg = DraftConfig.from_conf(draft_conf, verifier_dir)
+    cfg = DraftConfig.from_conf(draft_conf, verifier)
     if not init_from:
         return cfg
     conf_flags = {flag: draft_conf.get(flag) for flag in ARCHITECTURE_FLAGS}
@@ -669,24 +676,14 @@ def init_from_draft(draft: Eagle3Draft, path: Path) -> None:
     configuration, vocabulary installed); refuse a folder of another shape, vocabulary, aux
     layers or architecture switches. The embedding stays the verifier's; d2t/t2d stay the
     draft's (they must be equal)."""
+    from model.compatibility import check_compatible
+
     path = Path(path)
-    raw = json.loads((path / CONFIG_FILE).read_text())
-    found, wanted = read_folder_config(path), draft.config
-    # Third-party folders may not state the target's layer count; their aux ids are checked anyway.
-    fields = _INIT_FIELDS + (("target_num_hidden_layers",) if "target_num_hidden_layers" in raw else ())
-    for field in fields:
-        if getattr(found, field) != getattr(wanted, field):
-            raise _init_mismatch(path, field, getattr(found, field), getattr(wanted, field))
-    for field in _INIT_SOFT_FIELDS:
-        if getattr(found, field) != getattr(wanted, field):
-            logger.warning("%s: %s is %s there, %s in the configured draft; training continues with the latter",
-                           path, field, getattr(found, field), getattr(wanted, field))
+    # Every disagreement at once (shapes, aux layers, switches, vocabulary): IncompatibleError.
+    check_compatible(draft=draft.config, folder=read_draft_folder(path, with_d2t=draft.config.pruned), d2t=draft.d2t)
     tensors = _read_tensors(path)
     tensors.pop(EMBED, None)
     own = draft.state_dict()
-    if wanted.pruned and not torch.equal(tensors.get("d2t", torch.empty(0)).cpu(), own["d2t"].cpu()):
-        raise ValueError(f"{path} cannot start this draft: d2t (its pruned vocabulary) differs from the "
-                         "configured draft's, which the run counted from its store")
     state = {k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}
     state |= {k: own[k] for k in ("d2t", "t2d") if k in own}
     with torch.no_grad():

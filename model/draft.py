@@ -21,18 +21,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
-from infra import compose_config
+from config import compose_config
 from model.aux_ids import to_vllm_aux_ids
 from model.mla import MLAConfig, MLAttention, RMSNorm, TTTCache
 from model.rope import RopeSpec
 from model.vocab import draft_to_target, t2d_from_d2t, target_ids_of
+
+if TYPE_CHECKING:
+    from model.verifier_handle import Verifier
 
 
 @dataclass(frozen=True)
@@ -100,17 +103,17 @@ class DraftConfig:
         )
 
     @classmethod
-    def from_conf(cls, draft: DictConfig | dict[str, Any], verifier_dir: Path | None = None) -> DraftConfig:
+    def from_conf(cls, draft: DictConfig | dict[str, Any], verifier: Verifier | Path | None = None) -> DraftConfig:
         """From a resolved conf/draft node (see `compose_draft_conf`, or Hydra's cfg.draft).
 
-        verifier_dir: the verifier folder, whose config.json gives bos/eos ids for the export.
+        verifier: the verifier (or its folder), whose config.json gives bos/eos ids for the export.
         """
         d = OmegaConf.to_container(draft, resolve=True) if isinstance(draft, DictConfig) else dict(draft)
         assert isinstance(d, dict)
-        if verifier_dir is not None:
-            from model.verifier_weights import read_token_ids
+        if verifier is not None:
+            from model.verifier_handle import Verifier
 
-            d = read_token_ids(verifier_dir) | d
+            d = Verifier.of(verifier).files.token_ids | d
         if d["hidden_size"] != d["target_hidden_size"]:
             # vLLM feeds the target's embedding (width H_t) into the draft layer.
             raise ValueError("the draft hidden_size must equal the verifier's")
@@ -166,8 +169,9 @@ def compose_draft_conf(draft: str, verifier: str | None = None) -> DictConfig:
     conf/verifier name) defaults to the one the draft yaml names in its own `verifier` key.
     """
     if verifier is None:
-        verifier = str(compose_config("train", [f"draft={draft}"]).draft.verifier)
-    return compose_config("train", [f"draft={draft}", f"verifier={verifier}"]).draft
+        verifier = compose_config("train", [f"draft={draft}"], checked=False).draft.verifier
+    # A verifier named here is meant: the pairing check (config.check) is told so.
+    return compose_config("train", [f"draft={draft}", f"verifier={verifier}", f"draft.verifier={verifier}"]).draft
 
 
 class DraftMLP(nn.Module):
@@ -267,22 +271,23 @@ class Eagle3Draft(nn.Module):
         self.t2d.copy_(t2d_from_d2t(d2t.to(self.t2d.device), self.config.vocab_size))
 
     @torch.no_grad()
-    def load_verifier_head(self, verifier_dir: Path) -> None:
-        """Embedding, final norm and lm_head (rows of the draft vocabulary) from the verifier."""
-        from model.verifier_weights import read_verifier_head
+    def load_verifier_head(self, verifier: Verifier | Path) -> None:
+        """Embedding, final norm and lm_head (rows of the draft vocabulary) from the verifier
+        (its handle, or its folder: model/verifier_handle.py reads it once per process)."""
+        from model.verifier_handle import Verifier
 
-        head = read_verifier_head(verifier_dir)
+        head = Verifier.of(verifier).head()
         self.embed_tokens.copy_(head.embed_tokens)
         self.norm.weight.copy_(head.norm)
         rows = head.lm_head if self.d2t is None else head.lm_head[target_ids_of(self.d2t.cpu())]
         self.lm_head.weight.copy_(rows)
 
     @torch.no_grad()
-    def load_verifier_embedding(self, verifier_dir: Path) -> None:
+    def load_verifier_embedding(self, verifier: Verifier | Path) -> None:
         """Only the embedding (for a trained draft whose norm and lm_head come from its checkpoint)."""
-        from model.verifier_weights import read_verifier_embedding
+        from model.verifier_handle import Verifier
 
-        self.embed_tokens.copy_(read_verifier_embedding(verifier_dir))
+        self.embed_tokens.copy_(Verifier.of(verifier).embedding())
 
     # ---- forward pieces -------------------------------------------------------------------
     def project_aux(self, aux: Tensor) -> Tensor:

@@ -2,15 +2,20 @@
 
 A Kimi verifier is ~1T parameters: the draft needs only its embedding, final norm and lm_head,
 so they are read one by one with `safe_open` (single model.safetensors or sharded with
-model.safetensors.index.json); no other tensor is ever loaded. Their names depend on the
-checkpoint's layout (LAYOUTS): Kimi-K3 keeps them under `language_model.`.
+model.safetensors.index.json); no other tensor is ever loaded, and each file is opened once per
+read (`read_head`: a single file's header and tensors in the same open). Their names depend on
+the checkpoint's layout (LAYOUTS): Kimi-K3 keeps them under `language_model.`.
+
+These readers go to disk on every call; model/verifier_handle.py's Verifier reads through them
+once per process and shares what it read.
 """
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -80,6 +85,10 @@ class VerifierHead:
     lm_head: Tensor
 
 
+# The parts of the head, as VerifierHead names them.
+HEAD_PARTS = ("embed_tokens", "norm", "lm_head")
+
+
 def head_names(verifier_dir: Path) -> HeadNames:
     """The layout of LAYOUTS whose embedding and final norm the verifier's weights hold."""
     return _layout_of(set(weight_map(verifier_dir)), verifier_dir)
@@ -94,29 +103,57 @@ def _layout_of(names: set[str], verifier_dir: Path) -> HeadNames:
     return found[0]
 
 
+def _wanted(layout: HeadNames, names: set[str], parts: Iterable[str]) -> dict[str, str]:
+    """Part -> tensor name; a tied lm_head (absent) is read as the embedding."""
+    tied = layout.lm_head not in names
+    where = {"embed_tokens": layout.embed_tokens, "norm": layout.norm,
+             "lm_head": layout.embed_tokens if tied else layout.lm_head}
+    unknown = set(parts) - set(where)
+    if unknown:
+        raise ValueError(f"unknown verifier head parts {sorted(unknown)} (use {HEAD_PARTS})")
+    return {part: where[part] for part in parts}
+
+
+def read_head(verifier_dir: Path, parts: Iterable[str] = HEAD_PARTS) -> dict[str, Tensor]:
+    """The asked parts of HEAD_PARTS, as stored (dtype kept), each file opened once: a single
+    model.safetensors gives its tensor names and the tensors in one open."""
+    verifier_dir = Path(verifier_dir)
+    parts = list(parts)
+    if (verifier_dir / INDEX_FILE).exists():
+        where = weight_map(verifier_dir)
+        wanted = _wanted(_layout_of(set(where), verifier_dir), set(where), parts)
+        tensors = read_tensors(verifier_dir, set(wanted.values()))
+        return {part: tensors[name] for part, name in wanted.items()}
+    single = verifier_dir / SINGLE_FILE
+    if not single.exists():
+        raise FileNotFoundError(f"no {INDEX_FILE} or {SINGLE_FILE} in {verifier_dir}")
+    with safe_open(str(single), framework="pt") as f:
+        names = set(f.keys())
+        wanted = _wanted(_layout_of(names, verifier_dir), names, parts)
+        tensors = {name: f.get_tensor(name) for name in set(wanted.values())}
+    return {part: tensors[name] for part, name in wanted.items()}
+
+
 def read_verifier_embedding(verifier_dir: Path) -> Tensor:
     """The embedding [V, H] alone, as stored, under the verifier's layout."""
-    name = head_names(verifier_dir).embed_tokens
-    return read_tensors(verifier_dir, [name])[name]
+    return read_head(verifier_dir, ["embed_tokens"])["embed_tokens"]
 
 
 def read_verifier_head(verifier_dir: Path, dtype: torch.dtype | None = None) -> VerifierHead:
     """Embedding, final norm and lm_head (the embedding when lm_head is tied and absent)."""
-    names = set(weight_map(verifier_dir))
-    layout = _layout_of(names, verifier_dir)
-    tied = layout.lm_head not in names
-    wanted = [layout.embed_tokens, layout.norm] + ([] if tied else [layout.lm_head])
-    tensors = read_tensors(verifier_dir, wanted)
-    embed = tensors[layout.embed_tokens]
-    head = VerifierHead(embed, tensors[layout.norm], embed if tied else tensors[layout.lm_head])
+    tensors = read_head(verifier_dir)
     if dtype is not None:
-        head = VerifierHead(*(t.to(dtype) for t in (head.embed_tokens, head.norm, head.lm_head)))
-    return head
+        tensors = {part: t.to(dtype) for part, t in tensors.items()}
+    return VerifierHead(**tensors)
+
+
+def token_ids_of(config: Mapping[str, Any]) -> dict[str, int | list[int] | None]:
+    """bos/eos/pad token ids of a verifier config.json, as written there (None where absent)."""
+    # Multimodal configs keep them on the top level or in text_config.
+    merged = config.get("text_config", {}) | {k: v for k, v in config.items() if k.endswith("_token_id")}
+    return {key: merged.get(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
 
 
 def read_token_ids(verifier_dir: Path) -> dict[str, int | list[int] | None]:
     """bos/eos/pad token ids from the verifier's config.json, as written there (None where absent)."""
-    cfg = json.loads((Path(verifier_dir) / "config.json").read_text())
-    # Multimodal configs keep them on the top level or in text_config.
-    merged = cfg.get("text_config", {}) | {k: v for k, v in cfg.items() if k.endswith("_token_id")}
-    return {key: merged.get(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    return token_ids_of(json.loads((Path(verifier_dir) / "config.json").read_text()))

@@ -8,7 +8,9 @@ this package (`from store import StoreWriter, StoreReader`); its modules, one co
     encoding  the hidden-state encodings (bf16 byte planes, fp8, fp4, top-k targets), their
               error bounds, and the target rows a loss reads
     identity  the verifier identity and aux capture a store records; StoreMismatchError
-    durable   fsync'd, sha256-ended JSON, per-rank manifests and locks: what makes a crash at any
+    sealed    fsync'd, sha256-ended (sealed) JSON and folder fsync; the trainer's checkpoint
+              markers are written with it too
+    durable   reading sealed files, per-rank manifests and locks: what makes a crash at any
               moment safe and any damage seen (StoreCorruptError)
     writer    StoreWriter: one rank's samples, a shard at a time; resume after a crash;
               StoreWriteError when the disk refuses a write

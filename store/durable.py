@@ -1,26 +1,20 @@
-"""Files that survive a crash at any moment and show any damage: fsync'd JSON written by rename
-and ended by its sha256, the per-rank manifests of committed shards (with the sha256 of each
+"""The store's crash-safe files: reading its sealed JSON files (store/sealed.py writes them; a
+format-1 file has no seal), the per-rank manifests of committed shards (with the sha256 of each
 shard's zarr.json files), the listing of committed shards, and the per-rank write lock."""
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import hashlib
 import json
 import os
-import re
 import socket
-import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from infra import failpoint
+from data.rejection import Rejection
 from store.format import FORMAT_VERSION, LEGACY_VERSION, MANIFEST_DIR, SHARDS_DIR, _SHARD_NAME
-
-# The last line of a checked JSON file. Nothing else in the file is a newline (compact JSON), so
-# one damaged byte either breaks this line or the body it hashes.
-_SHA256_LINE = re.compile(rb"\nsha256:([0-9a-f]{64})\n\Z")
+from store.sealed import NotSealedError, SealMismatchError, replace_sealed_json, unseal_json
 
 
 class StoreCorruptError(RuntimeError):
@@ -32,23 +26,17 @@ class StoreCorruptError(RuntimeError):
         self.file = None if file is None else str(file)
 
 
-def _checked_json(value: Any) -> bytes:
-    body = json.dumps(value, separators=(",", ":")).encode()
-    return body + b"\nsha256:" + hashlib.sha256(body).hexdigest().encode() + b"\n"
-
-
 def _read_checked_json(file: Path, advice: str) -> Any:
-    """A JSON file written by `_write_json_durably`, its sha256 checked; a version-1 file (no
-    sha256 line) only where it says version 1. StoreCorruptError names a damaged file."""
+    """A sealed JSON file (store/sealed.py), its sha256 checked; a version-1 file (no sha256
+    line) only where it says version 1. StoreCorruptError names a damaged file."""
     data = file.read_bytes()
-    line = _SHA256_LINE.search(data)
-    if line is None:
+    try:
+        return unseal_json(data)
+    except NotSealedError:
         return _read_legacy_json(file, data, advice)
-    body = data[:line.start()]
-    if hashlib.sha256(body).hexdigest().encode() != line.group(1):
+    except SealMismatchError:
         raise StoreCorruptError(f"{file} is damaged: its contents do not match the sha256 on its "
-                                f"last line; {advice}", file)
-    return json.loads(body)
+                                f"last line; {advice}", file) from None
 
 
 def _read_legacy_json(file: Path, data: bytes, advice: str) -> Any:
@@ -60,51 +48,6 @@ def _read_legacy_json(file: Path, data: bytes, advice: str) -> Any:
         raise StoreCorruptError(f"{file} is damaged: it does not end with its sha256 line and is "
                                 f"not a format-{LEGACY_VERSION} file; {advice}", file)
     return value
-
-
-def _write_json_durably(path: Path, value: Any) -> None:
-    """The value as JSON ended by its sha256 line, on disk; a partial file is removed on failure."""
-    try:
-        with open(path, "wb") as f:
-            f.write(_checked_json(value))
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        with contextlib.suppress(OSError):  # a full disk still allows an unlink; a read-only one not
-            path.unlink(missing_ok=True)
-        raise
-
-
-def _replace_json_durably(path: Path, value: Any) -> None:
-    """Write tmp, fsync, rename over, fsync the folder: a reader sees the old or the new file."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    _write_json_durably(tmp, value)
-    try:
-        failpoint("store.json.before_rename")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-    failpoint("store.json.after_rename")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    """Every file and folder under root on disk, so a rename after it commits complete data."""
-    for folder, _, files in os.walk(root):
-        for name in files:
-            with open(os.path.join(folder, name), "rb") as f:
-                os.fsync(f.fileno())
-        _fsync_dir(Path(folder))
 
 
 @dataclass
@@ -124,7 +67,7 @@ class ShardEntry:
 class Manifest:
     rank: int
     shards: list[ShardEntry] = field(default_factory=list)
-    rejected: dict[str, str] = field(default_factory=dict)  # sample id -> reason
+    rejected: dict[str, Rejection] = field(default_factory=dict)  # sample id -> its record
 
 
 def _manifest_path(path: Path, rank: int) -> Path:
@@ -140,9 +83,13 @@ _MANIFEST_ADVICE = ("the shards it lists are not affected: move it away and reru
 def _read_manifest(file: Path) -> Manifest:
     raw = _read_checked_json(file, _MANIFEST_ADVICE)
     try:
+        # Rejections are {kind, file, line, reason} objects, or reason strings in manifests
+        # written before they were (Rejection.from_json reads both).
+        rejected = {sample: Rejection.from_json(sample, value) for sample, value in raw["rejected"].items()}
         return Manifest(rank=raw["rank"], shards=[ShardEntry(**s) for s in raw["shards"]],
-                        rejected=raw["rejected"])
-    except (KeyError, TypeError) as error:  # only a format-1 file, unchecked, can get here
+                        rejected=rejected)
+    # A format-1 file, unchecked, gets here by damage; a checked one by a rejection kind unknown here.
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise StoreCorruptError(f"{file} is damaged: {error!r}; {_MANIFEST_ADVICE}", file) from error
 
 
@@ -152,8 +99,10 @@ def _load_manifest(path: Path, rank: int) -> Manifest:
 
 
 def _write_manifest(path: Path, manifest: Manifest) -> None:
-    raw = {"format_version": FORMAT_VERSION, **asdict(manifest)}
-    _replace_json_durably(_manifest_path(path, manifest.rank), raw)
+    raw = {"format_version": FORMAT_VERSION, "rank": manifest.rank,
+           "shards": [asdict(s) for s in manifest.shards],
+           "rejected": {sample: r.to_json() for sample, r in manifest.rejected.items()}}
+    replace_sealed_json(_manifest_path(path, manifest.rank), raw)
 
 
 def _all_manifests(path: Path) -> list[Manifest]:

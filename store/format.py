@@ -18,6 +18,16 @@ A store is a folder:
 The shards folder is the truth and the manifests its index: a shard committed just before a
 crash, before its manifest was updated, is verified and adopted when its rank reopens the store.
 
+A manifest's "rejected" maps each sample id the rank rejected to its record (data/rejection.py's
+Rejection): {"kind", "file", "line", "reason"}. kind is one of RejectionKind's values ("no
+assistant turn", "chat template", "over-long", "no assistant token", "non-finite hidden states",
+"no tokens", "unknown"); file and line name the input record the sample came from (both null
+where unknown); reason says what exactly was wrong. A rejected sample is done: a resumed dump
+skips it. Manifests written before rejections were records (of every format version) map each id
+to a sentence instead, "<file>:<line> (sample <id>): <reason>" or the bare reason: they are read
+as records (Rejection.from_legacy recovers the kind from the sentences those versions wrote, else
+"unknown"), and a manifest rewritten by this code holds records.
+
 Storage settings (conf/store/*.yaml; store.json's "storage" block): `mode`, a label (the preset's
 name: lossless, fp8, fp4, compact, fp32), and what decides the bytes: `aux`, the encoding of the
 aux hidden states (bf16 | fp32 | fp8 | fp4, with `fp4_block` values per scale); `final`, that of
@@ -150,10 +160,11 @@ class StorageSettings:
             raise ValueError(f"storage settings lack {', '.join(missing)}: conf/store/*.yaml sets "
                              "them (mode is the preset's label, aux/final/final_rows the encodings)")
         settings = cls(mode=values["mode"], aux=values["aux"], final=values["final"],
-                       final_rows=values["final_rows"], compressor=dict(values["compressor"]),
-                       target_chunk_bytes=int(values["target_chunk_bytes"]),
-                       shard_bytes=int(values["shard_bytes"]), topk=int(values.get("topk", 32)),
-                       fp4_block=int(values.get("fp4_block", 32)))
+                       final_rows=values["final_rows"],
+                       # The codec's own keys only (conf/store's schema has every codec's, unset ones None).
+                       compressor={k: v for k, v in values["compressor"].items() if v is not None},
+                       target_chunk_bytes=values["target_chunk_bytes"], shard_bytes=values["shard_bytes"],
+                       topk=values["topk"], fp4_block=values["fp4_block"])
         settings.check()
         _compressor_codec(settings.compressor)  # fail on a bad compressor now, not at the first shard
         if settings.target_chunk_bytes < 1 or settings.shard_bytes < 1:
@@ -237,16 +248,17 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _compressor_codec(cfg: Mapping[str, Any]) -> ZstdCodec | BloscCodec | None:
-    name = cfg.get("name")
+def _compressor_codec(spec: Mapping[str, Any]) -> ZstdCodec | BloscCodec | None:
+    """The codec of a compressor as conf/store gives it or a store.json records it (plain JSON)."""
+    name = spec.get("name")
     if name == "zstd":
-        return ZstdCodec(level=int(cfg["level"]))
+        return ZstdCodec(level=int(spec["level"]))
     if name == "blosc":
         # typesize is left to Zarr, which sets it from each array's dtype.
-        return BloscCodec(cname=cfg["cname"], clevel=int(cfg["clevel"]), shuffle=cfg["shuffle"])
+        return BloscCodec(cname=spec["cname"], clevel=int(spec["clevel"]), shuffle=spec["shuffle"])
     if name == "none":
         return None
-    raise ValueError(f"compressor {dict(cfg)!r}: name must be zstd, blosc or none")
+    raise ValueError(f"compressor {dict(spec)!r}: name must be zstd, blosc or none")
 
 
 # ---------------------------------------------------------------------------------------------

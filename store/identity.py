@@ -1,6 +1,6 @@
 """What a store was written with, and who may add to it: the verifier's identity, the aux capture
-mode, store.json, and the check that refuses a writer or trainer of other settings
-(`StoreMismatchError`)."""
+mode, store.json, and the check that refuses a writer of other settings (`StoreMismatchError`;
+whether a trainer's draft and verifier fit a store is model/compatibility.py's check)."""
 from __future__ import annotations
 
 import hashlib
@@ -13,9 +13,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from store.durable import _fsync_dir, _read_checked_json, _write_json_durably
+from store.durable import _read_checked_json
 from store.format import (AUX_ENCODINGS, FINAL_ENCODINGS, FORMAT_VERSION, READ_VERSIONS,
                           STORE_META, StorageSettings, _plain, logical_dtypes)
+from store.sealed import fsync_dir, write_sealed_json
 
 logger = logging.getLogger(__name__)
 
@@ -42,15 +43,20 @@ class StoreMismatchError(ValueError):
 
 
 def verifier_identity(checkpoint: str | Path, name: str) -> dict[str, Any]:
-    """What makes hidden states comparable: hashes of the config and tokenizer, and the shapes."""
+    """What makes hidden states comparable: hashes of the config and tokenizer, and the shapes.
+    (Reads the folder on every call; model/verifier_handle.py's Verifier.identity reads it once.)"""
     folder = Path(checkpoint)
-    config = json.loads((folder / "config.json").read_text())
+    return identity_of(folder, json.loads((folder / "config.json").read_text()), name)
+
+
+def identity_of(folder: Path, config: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """verifier_identity of the folder whose config.json is `config` (already read)."""
     text = config.get("text_config", config)  # multimodal checkpoints nest the language model
     return {
         "name": name,
         "config_sha256": _sha256_json({k: v for k, v in config.items()
                                        if k not in _VOLATILE_CONFIG_KEYS}),
-        "tokenizer_sha256": _tokenizer_sha256(folder),
+        "tokenizer_sha256": _tokenizer_sha256(Path(folder)),
         "hidden_size": int(text["hidden_size"]),
         "vocab_size": int(text["vocab_size"]),
         "num_hidden_layers": int(text["num_hidden_layers"]),
@@ -133,10 +139,10 @@ def _create_or_check_meta(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
     target = path / STORE_META
     if not target.exists():
         tmp = path / f".{STORE_META}.{uuid.uuid4().hex}.tmp"
-        _write_json_durably(tmp, meta)
+        write_sealed_json(tmp, meta)
         try:
             os.link(tmp, target)
-            _fsync_dir(path)
+            fsync_dir(path)
         except FileExistsError:
             pass  # another rank was first; its store.json is checked below
         finally:

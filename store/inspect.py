@@ -1,4 +1,5 @@
-"""`python -m dump inspect <store>`: a store's counts, storage mode and encodings, sizes (per
+"""`python -m dump inspect <store>`: a store's counts, its rejected samples (by kind, and the first
+few with the record each came from), storage mode and encodings, sizes (per
 array too: bytes on disk, per token, share), compression and the result of reading every chunk and
 checking every metadata file (`inspect_store`), and that report as lines for a terminal
 (`format_inspect`). A store that cannot even be opened (no store.json, a damaged one, a
@@ -10,6 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from data.rejection import Rejection
 from store.durable import StoreCorruptError, _all_manifests
 from store.format import CORRUPT_PREFIX, LEGACY_VERSION, SHARDS_DIR, TMP_PREFIX
 from store.identity import StoreMismatchError
@@ -35,7 +37,7 @@ def _report(reader: StoreReader, verify: bool) -> dict[str, Any]:
     hidden, n_aux = reader.hidden_size, len(reader.aux_layer_ids)
     reference = (n_aux + 1) * hidden * 2  # bf16 aux + final, uncompressed: 4*H*2 for 3 aux layers
     problems = reader.verify() if verify else None
-    rejected = {k: v for m in _all_manifests(reader.path) for k, v in m.rejected.items()}
+    rejected = [r for m in _all_manifests(reader.path) for r in m.rejected.values()]
     return {
         "path": str(reader.path),
         "format_version": reader.meta["format_version"],
@@ -52,7 +54,8 @@ def _report(reader: StoreReader, verify: bool) -> dict[str, Any]:
         "shards": len(entries),
         "samples": len(reader),
         "tokens": tokens,
-        "rejected": rejected,
+        "rejected": {r.sample: r.to_json() for r in rejected},  # as the manifests keep them
+        "rejected_by_kind": dict(Counter(r.kind.value for r in rejected).most_common()),
         "unfinished_shards": _hidden_shards(reader.path, TMP_PREFIX),
         "quarantined_shards": _hidden_shards(reader.path, CORRUPT_PREFIX),
         "bytes_on_disk": on_disk,
@@ -119,7 +122,7 @@ def format_inspect(report: Mapping[str, Any]) -> str:
         f"{report['aux_capture']} capture)",
         f"storage       {report['storage']}; compressor {report['compressor']}",
         f"contents      {report['shards']:,} shards, {report['samples']:,} samples, "
-        f"{report['tokens']:,} tokens, {len(report['rejected']):,} rejected",
+        f"{report['tokens']:,} tokens, {len(report['rejected']):,} rejected{_by_kind(report)}",
         f"on disk       {report['bytes_on_disk']:,} bytes = {per_token('bytes_per_token')}/token",
         f"uncompressed  {per_token('logical_bytes_per_token')}/token in the storage dtypes: "
         f"compression ratio {_ratio(report['compression_ratio'])}",
@@ -134,8 +137,10 @@ def format_inspect(report: Mapping[str, Any]) -> str:
     for array, figure in figures.items():
         lines.append(f"  {array:16} {figure['bytes']:>16,} {figure['bytes_per_token']:12,.1f} "
                      f"{figure['share']:6.1%}")
-    for sample_id, reason in list(report["rejected"].items())[:_MAX_NAMED]:
-        lines.append(f"rejected      {sample_id!r}: {reason}")
+    for sample_id, record in list(report["rejected"].items())[:_MAX_NAMED]:
+        rejection = Rejection.from_json(sample_id, record)
+        where = f" at {rejection.where}" if rejection.where else ""
+        lines.append(f"rejected      {sample_id!r}{where}, {rejection.kind}: {rejection.reason}")
     if report["unfinished_shards"]:
         lines.append(f"unfinished    {len(report['unfinished_shards'])} shards being written or "
                      f"left by a crash (removed when their rank resumes)")
@@ -156,6 +161,12 @@ def _checksum_lines(report: Mapping[str, Any]) -> list[str]:
     checked = "every chunk, shard index and metadata file" if report["metadata_checksums"] else \
         "every chunk and shard index"
     return lines + [f"checksums     {checked} verified: OK"]
+
+
+def _by_kind(report: Mapping[str, Any]) -> str:
+    """' (over-long: 2, non-finite hidden states: 1)'; '' with no rejections."""
+    counts = report["rejected_by_kind"]
+    return " (" + ", ".join(f"{kind}: {n}" for kind, n in counts.items()) + ")" if counts else ""
 
 
 def _ratio(value: float | None) -> str:

@@ -17,16 +17,18 @@ from typing import IO, Any
 import numpy as np
 import torch
 
+from data.records import Origin
+from data.rejection import Rejection, RejectionKind
 from infra import failpoint
-from store.durable import (Manifest, ShardEntry, _all_manifests, _committed_shards, _fsync_dir, _fsync_tree,
-                           _load_manifest, _lock_rank, _manifest_path, _metadata_sha256, _nbytes_on_disk,
-                           _write_manifest)
+from store.durable import (Manifest, ShardEntry, _all_manifests, _committed_shards, _load_manifest, _lock_rank,
+                           _manifest_path, _metadata_sha256, _nbytes_on_disk, _write_manifest)
 from store.encoding import encode_bf16_planes, encode_fp4, encode_fp8, encode_topk, target_rows
 from store.format import (AUX, AUX_SCALE, CORRUPT_PREFIX, FINAL, FINAL_OFFSETS, FORMAT_VERSION, INPUT_IDS,
                           LOSS_MASK, MANIFEST_DIR, OFFSETS, SHARDS_DIR, TARGET_IDS, TARGET_LOGPROBS,
                           TMP_PREFIX, StorageSettings, _shard_index, _shard_rank, _write_shard, shard_name)
 from store.identity import LEGACY_AUX_CAPTURE, _create_or_check_meta, _store_meta
 from store.reader import ShardCorruptError, _entry_of, _problem, _store_index, _verify_shard
+from store.sealed import fsync_dir, fsync_tree
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +91,7 @@ class WriterStats:
     tokens: int = 0
     bytes: int = 0      # on disk
     shards: int = 0
-    rejected: dict[str, str] = field(default_factory=dict)  # sample id -> reason, this run
+    rejected: dict[str, Rejection] = field(default_factory=dict)  # sample id -> record, this run
     removed_tmp: list[str] = field(default_factory=list)    # unfinished shards of a crashed run
     adopted: list[str] = field(default_factory=list)        # committed shards missing from the manifest
     quarantined: list[str] = field(default_factory=list)    # such shards that failed verification
@@ -223,19 +225,19 @@ class StoreWriter:
 
     def add(self, sample_id: str, input_ids: torch.Tensor | np.ndarray,
             loss_mask: torch.Tensor | np.ndarray, aux: torch.Tensor | np.ndarray,
-            final: torch.Tensor | np.ndarray) -> bool:
+            final: torch.Tensor | np.ndarray, origin: Origin | None = None) -> bool:
         """Buffer a sample (input_ids [T], loss_mask [T], aux [T, n_aux, H], final [T, H]: every
         row; the storage settings choose what is kept of final); False when it is rejected for
-        non-finite hidden states or no tokens. Nothing is written until `commit_if_full` or
-        `close`."""
+        non-finite hidden states or no tokens, its record (naming `origin`, the record it came
+        from) then in `stats.rejected`. Nothing is written until `commit_if_full` or `close`."""
         if self._closed:
             raise RuntimeError(f"store writer for {self.path} is closed")
         self._check_new(sample_id)
         ids, mask, aux_t, final_t = (torch.as_tensor(v) for v in (input_ids, loss_mask, aux, final))
         self._check_shapes(sample_id, ids, mask, aux_t, final_t)
-        reason = _rejection(ids, aux_t, final_t)
-        if reason:
-            self._record_rejection(sample_id, reason)
+        rejection = _rejection(sample_id, origin, ids, aux_t, final_t)
+        if rejection is not None:
+            self._record_rejection(rejection)
             return False
         pending = _Pending(sample_id, self._encode(ids, mask, aux_t, final_t))
         self._pending.append(pending)
@@ -281,17 +283,17 @@ class StoreWriter:
         if t and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
             raise ValueError(f"sample {sample_id!r}: token ids outside [0, {self.vocab_size})")
 
-    def reject(self, sample_id: str, reason: str) -> None:
-        """Record a sample the caller could not use (a chat template failure, say): named in the
+    def reject(self, rejection: Rejection) -> None:
+        """Record a sample the caller could not use (a chat template failure, say): kept in the
         manifest with the next commit, and skipped by a resumed run like a written one."""
-        self._check_new(sample_id)
-        self._record_rejection(sample_id, reason)
+        self._check_new(rejection.sample)
+        self._record_rejection(rejection)
 
-    def _record_rejection(self, sample_id: str, reason: str) -> None:
-        logger.warning("store %s: sample %r rejected: %s", self.path, sample_id, reason)
-        self.stats.rejected[sample_id] = reason
-        self._manifest.rejected[sample_id] = reason  # recorded with the next manifest write
-        self._done.add(sample_id)
+    def _record_rejection(self, rejection: Rejection) -> None:
+        logger.warning("store %s: rejected %s", self.path, rejection)
+        self.stats.rejected[rejection.sample] = rejection
+        self._manifest.rejected[rejection.sample] = rejection  # recorded with the next manifest write
+        self._done.add(rejection.sample)
 
     def _encode(self, ids: torch.Tensor, mask: torch.Tensor, aux: torch.Tensor,
                 final: torch.Tensor) -> dict[str, np.ndarray]:
@@ -343,7 +345,7 @@ class StoreWriter:
         entry = ShardEntry(name, [p.sample_id for p in self._pending],
                            np.diff(arrays[OFFSETS]).tolist(), 0, metadata)
         try:
-            _fsync_dir(final_folder.parent)
+            fsync_dir(final_folder.parent)
             failpoint("store.shard.after_rename")
             entry.nbytes = _nbytes_on_disk(final_folder)
             self._manifest.shards.append(entry)
@@ -358,7 +360,7 @@ class StoreWriter:
         attributes = {"format_version": FORMAT_VERSION, "shard": name, "rank": self.rank,
                       "sample_ids": [p.sample_id for p in self._pending], **self._shard_attributes}
         _write_shard(folder, arrays, attributes, self.storage)
-        _fsync_tree(folder)
+        fsync_tree(folder)
         return _metadata_sha256(folder)
 
     def _stop(self, error: OSError, shard: str | None, committed: bool) -> StoreWriteError:
@@ -432,16 +434,17 @@ class StoreWriter:
             self._lock.close()
 
 
-def _rejection(ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor) -> str | None:
+def _rejection(sample_id: str, origin: Origin | None, ids: torch.Tensor, aux: torch.Tensor,
+               final: torch.Tensor) -> Rejection | None:
     """Why a sample cannot be stored, or None."""
     if len(ids) == 0:
-        return "no tokens"
+        return Rejection(RejectionKind.NO_TOKENS, sample_id, "no tokens", origin)
     reasons = []
     for name, values in (("aux", aux), ("final", final)):
         bad = int((~torch.isfinite(values)).sum())
         if bad:
             reasons.append(f"{name} hidden states have {bad} non-finite values (NaN/Inf)")
-    return "; ".join(reasons) or None
+    return Rejection(RejectionKind.NON_FINITE, sample_id, "; ".join(reasons), origin) if reasons else None
 
 
 def _checked_head(storage: StorageSettings, head: torch.Tensor | None, hidden_size: int,

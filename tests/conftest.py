@@ -11,7 +11,7 @@ import pytest
 from omegaconf import DictConfig
 
 import infra
-from infra import compose_config
+from config import compose_config
 from model.verifier import verifier_dir
 
 # Before any test module imports transformers or vLLM (none of the imports above does).

@@ -16,9 +16,11 @@ from omegaconf import DictConfig
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from data.conversations import Conversation, Message, RecordError
+from data.records import Origin
+from data.rejection import Rejection, RejectionKind
 from data.template import SampleRejected, tokenize_conversation
 from dump.capture import CapturedSample, HiddenStateCapture
-from infra import compose_config
+from config import compose_config
 from store import StoreReader, inspect_store
 
 MAX_LEN = 256
@@ -220,17 +222,20 @@ def test_a_duplicated_id_keeps_its_first_record(skip_run: SkipRun, kimi_tiny_dir
 def test_store_rejections_name_the_record_and_are_counted_by_kind(skip_run: SkipRun) -> None:
     rejected = numbered(LINES, lambda line: line.rejected is not None)
     summary = skip_run.summary
-    assert set(summary["rejected"]) == {line.sample for _, line in rejected}
+    records = {sample: Rejection.from_json(sample, value) for sample, value in summary["rejected"].items()}
+    assert {sample: (r.kind, r.where) for sample, r in records.items()} == \
+        {line.sample: (line.rejected, f"mixed.jsonl:{number}") for number, line in rejected}
     for number, line in rejected:
-        assert summary["rejected"][line.sample].startswith(f"mixed.jsonl:{number} (sample {line.sample}): ")
-    assert "aux hidden states have 1 non-finite" in summary["rejected"]["nan-aux"]
-    assert "final hidden states have 1 non-finite" in summary["rejected"]["inf-final"]
+        assert str(records[line.sample]).startswith(f"mixed.jsonl:{number} (sample {line.sample}): ")
+    assert "aux hidden states have 1 non-finite" in records["nan-aux"].reason
+    assert "final hidden states have 1 non-finite" in records["inf-final"].reason
     assert summary["rejected_by_kind"] == {"non-finite hidden states": 2, "over-long": 1}
     assert summary["samples_rejected"] == 3
-    in_store = inspect_store(skip_run.store)["rejected"]
-    assert set(in_store) == set(summary["rejected"])
-    assert in_store["over-long"] == summary["rejected"]["over-long"]
+    in_store = inspect_store(skip_run.store)
+    assert in_store["rejected"] == summary["rejected"]  # the store keeps the same records, file:line too
+    assert in_store["rejected_by_kind"] == summary["rejected_by_kind"]
     on_disk = json.loads((skip_run.store / "summaries" / "rank-00000.json").read_text())
+    assert on_disk["rejected"] == summary["rejected"]
     assert on_disk["rejected_by_kind"] == summary["rejected_by_kind"]
     assert on_disk["skipped_records"] == summary["skipped_records"]
 
@@ -346,9 +351,36 @@ def test_a_chat_template_failure_is_a_rejection_naming_the_record(kimi_tiny_dir:
     the reader skips first); a conversation built here does, as another verifier's template might."""
     tokenizer = AutoTokenizer.from_pretrained(kimi_tiny_dir)
     conversation = Conversation("tool-1", (Message("user", "Hi"), Message("tool", "{}"), Message("assistant", "ok")),
-                                origin="mixed.jsonl:9")
+                                origin=Origin("mixed.jsonl", 9))
     with pytest.raises(SampleRejected) as raised:
         tokenize_conversation(tokenizer, conversation, MAX_LEN, "drop")
     assert raised.value.kind == "chat template"
+    assert raised.value.rejection == Rejection(RejectionKind.CHAT_TEMPLATE, "tool-1",
+                                               "chat template failed: unknown role: tool", Origin("mixed.jsonl", 9))
     assert str(raised.value) == "mixed.jsonl:9 (sample tool-1): chat template failed: unknown role: tool"
+
+
+def test_the_dump_summary_counts_the_records_the_store_keeps(tmp_path: Path, kimi_tiny_dir: Path) -> None:
+    """tokenize_batch on the real template and a real store: each rejection is recorded in the store
+    and noted for the summary as one record, which the summary counts by kind."""
+    from dump.pipeline import Rejections, open_writer, tokenize_batch
+
+    cfg = dump_config(tmp_path / "in.jsonl", tmp_path / "store", "skip")
+    tokenizer = AutoTokenizer.from_pretrained(kimi_tiny_dir)
+    turns = {"good": (Message(*Q), Message(*A)), "long": (Message("user", "count the words " * 120), Message(*A)),
+             "tool": (Message(*Q), Message("tool", "{}"), Message(*A)), "silent": (Message(*Q),),
+             "long-2": (Message("user", "count them " * 200), Message(*A))}
+    batch = [Conversation(sample, messages, origin=Origin("in.jsonl", n)) for n, (sample, messages)
+             in enumerate(turns.items(), start=1)]
+    rejections = Rejections()
+    with open_writer(cfg.output_dir, cfg.verifier, cfg.store, {}) as writer:
+        samples = tokenize_batch(writer, tokenizer, batch, cfg, rejections)
+    assert [s.id for s in samples] == ["good"]
+    summary = rejections.summary()
+    assert summary["rejected_by_kind"] == {"over-long": 2, "chat template": 1, "no assistant turn": 1}
+    assert summary["samples_rejected"] == 4
+    assert {sample: (r["kind"], r["file"], r["line"]) for sample, r in summary["rejected"].items()} == {
+        "long": ("over-long", "in.jsonl", 2), "tool": ("chat template", "in.jsonl", 3),
+        "silent": ("no assistant turn", "in.jsonl", 4), "long-2": ("over-long", "in.jsonl", 5)}
+    assert inspect_store(tmp_path / "store")["rejected"] == summary["rejected"]
 

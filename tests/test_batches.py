@@ -1,7 +1,8 @@
-"""Tests of train/batches.py: split, packing, the row stream, reading rows, the store check."""
+"""Tests of train/batches.py (split, the row stream, reading rows) and of model/batch.py's packing
+of the rows it reads (the store check: tests/test_compatibility.py)."""
 from __future__ import annotations
 
-import shutil
+import dataclasses
 from collections import Counter
 from pathlib import Path
 
@@ -9,11 +10,10 @@ import pytest
 import torch
 
 from data.conversations import sharegpt_split_key
-from infra import compose_config
-from model.draft import DraftConfig, compose_draft_conf
-from store import StoreMismatchError, StoreReader, StoreWriter, verifier_identity
-from train.batches import (PAD_SEGMENT, PackedRows, RowStream, StoreSplit, check_store, collate_rows,
-                           last_turn_mask, pack_next_fit, pack_row, rank_rows, split_samples)
+from config import compose_config
+from model.batch import PAD_SEGMENT, RowSample, collate_rows, last_turn_mask, pack_row
+from store import StoreReader
+from train.batches import PackedRows, RowStream, StoreSplit, pack_next_fit, rank_rows, split_samples
 
 
 # ---- packing and order --------------------------------------------------------------------------
@@ -81,20 +81,39 @@ def test_packed_rows_hold_the_samples_with_restarting_positions(train_store: Pat
     rows = PackedRows(train_store, refs, [[0, 1, 2], [3]], max_len=4096)
     row = rows[0]
     expected = [reader.read_sample(refs[i]) for i in (0, 1, 2)]
-    assert torch.equal(row["input_ids"], torch.cat([s.input_ids for s in expected]))
-    assert torch.equal(row["loss_mask"], torch.cat([s.loss_mask for s in expected]))
-    assert torch.equal(row["aux"], torch.cat([s.aux.flatten(1) for s in expected]))
-    assert torch.equal(row["final"], torch.cat([s.final for s in expected]))
+    assert torch.equal(row.input_ids, torch.cat([s.input_ids for s in expected]))
+    assert torch.equal(row.loss_mask, torch.cat([s.loss_mask for s in expected]))
+    assert torch.equal(row.aux, torch.cat([s.aux.flatten(1) for s in expected]))
+    assert torch.equal(row.final, torch.cat([s.final for s in expected]))
     lengths = [len(s.input_ids) for s in expected]
-    assert row["position_ids"].tolist() == [p for n in lengths for p in range(n)]
-    assert row["segment_ids"].tolist() == [i for i, n in enumerate(lengths) for _ in range(n)]
+    assert row.position_ids.tolist() == [p for n in lengths for p in range(n)]
+    assert row.segment_ids.tolist() == [i for i, n in enumerate(lengths) for _ in range(n)]
     batch = collate_rows([row, rows[1]])
     L = sum(lengths)
-    n1 = len(rows[1]["input_ids"])
-    assert batch["input_ids"].shape == (2, L) and batch["aux"].shape == (2, L, 3 * reader.hidden_size)
-    assert (batch["segment_ids"][1, n1:] == PAD_SEGMENT).all() and not batch["loss_mask"][1, n1:].any()
+    n1 = len(rows[1].input_ids)
+    assert batch.input_ids.shape == (2, L) and batch.aux.shape == (2, L, 3 * reader.hidden_size)
+    assert (batch.segment_ids[1, n1:] == PAD_SEGMENT).all() and not batch.loss_mask[1, n1:].any()
     cut = PackedRows(train_store, refs, [[0]], max_len=16)[0]
-    assert len(cut["input_ids"]) == 16                      # a long sample is cut to max_len
+    assert len(cut.input_ids) == 16                      # a long sample is cut to max_len
+
+
+def test_a_batch_holds_one_kind_of_targets_and_pads_inertly() -> None:
+    H, n = 2, 3
+    def sample(T: int, topk: bool = False) -> RowSample:
+        targets = (torch.zeros(T, 4, dtype=torch.long), torch.zeros(T, 4)) if topk else torch.ones(T, H)
+        return RowSample(torch.arange(1, T + 1), torch.ones(T, dtype=torch.bool), torch.ones(T, n, H), targets)
+    batch = collate_rows([pack_row([sample(5), sample(2)], 8), pack_row([sample(3)], 8)], multiple=4)
+    assert not batch.topk and batch.input_ids.shape == (2, 8) and batch.final.shape == (2, 8, H)
+    assert int(batch.tokens()) == 10 and batch.real.sum(1).tolist() == [7, 3]
+    pad = ~batch.real
+    assert not batch.loss_mask[pad].any() and not batch.input_ids[pad].any() and not batch.aux[pad].any()
+    assert not batch.final[pad].any() and not batch.position_ids[pad].any()
+    moved = batch.map(lambda t: t[:1])
+    assert moved.tensors().keys() == batch.tensors().keys() and moved.segment_ids.shape == (1, 8)
+    with pytest.raises(ValueError, match="either final states or both top-k"):
+        dataclasses.replace(batch, target_ids=batch.input_ids[..., None])
+    with pytest.raises(ValueError, match="mixes"):
+        collate_rows([pack_row([sample(3)], 8), pack_row([sample(3, topk=True)], 8)])
 
 
 def _mask(bits: str) -> torch.Tensor:
@@ -113,19 +132,19 @@ def test_last_turn_mask_keeps_the_last_run(bits: str, last: str) -> None:
 
 def test_last_turn_only_rows_count_the_last_turn_of_each_whole_sample() -> None:
     H, n = 2, 3
-    def sample(bits: str) -> tuple[torch.Tensor, ...]:
+    def sample(bits: str) -> RowSample:
         T = len(bits)
-        return torch.arange(T), _mask(bits), torch.zeros(T, n, H), torch.zeros(T, H)
+        return RowSample(torch.arange(T), _mask(bits), torch.zeros(T, n, H), torch.zeros(T, H))
     samples = [sample("0110011100"), sample("0111000011")]
     full = pack_row(samples, max_len=20)
-    assert full["loss_mask"].tolist() == _mask("0110011100" "0111000011").tolist()
-    last = pack_row(samples, max_len=20, last_turn_only=True)["loss_mask"]
+    assert full.loss_mask.tolist() == _mask("0110011100" "0111000011").tolist()
+    last = pack_row(samples, max_len=20, last_turn_only=True).loss_mask
     assert last.tolist() == _mask("0000011100" "0000000011").tolist()
     # Cut to 6 tokens: the first sample keeps the start of its last turn; the second loses its
     # last turn, and an earlier turn does not take its place.
-    assert pack_row(samples[:1], max_len=6, last_turn_only=True)["loss_mask"].tolist() == \
+    assert pack_row(samples[:1], max_len=6, last_turn_only=True).loss_mask.tolist() == \
         _mask("000001").tolist()
-    assert not pack_row(samples[1:], max_len=6, last_turn_only=True)["loss_mask"].any()
+    assert not pack_row(samples[1:], max_len=6, last_turn_only=True).loss_mask.any()
 
 
 def test_packed_rows_apply_last_turn_only(train_store: Path) -> None:
@@ -137,10 +156,10 @@ def test_packed_rows_apply_last_turn_only(train_store: Path) -> None:
     i = multi[0]
     row = PackedRows(train_store, refs, [[i]], max_len=4096, last_turn_only=True)[0]
     stored = reader.read_tokens(refs[i])[1]
-    assert torch.equal(row["loss_mask"], last_turn_mask(stored))
-    assert 0 < int(row["loss_mask"].sum()) < int(stored.sum())
+    assert torch.equal(row.loss_mask, last_turn_mask(stored))
+    assert 0 < int(row.loss_mask.sum()) < int(stored.sum())
     plain = PackedRows(train_store, refs, [[i]], max_len=4096)[0]
-    assert torch.equal(plain["loss_mask"], stored)
+    assert torch.equal(plain.loss_mask, stored)
 
 
 def test_loader_workers_read_the_same_batches(train_store: Path) -> None:
@@ -152,74 +171,13 @@ def test_loader_workers_read_the_same_batches(train_store: Path) -> None:
     workers = list(make_loader(rows, 2, 2, 2))
     assert len(inline) == len(workers) == 3
     for a, b in zip(inline, workers):
-        assert all(torch.equal(a[k], b[k]) for k in a)
-
-
-# ---- the store against the draft ------------------------------------------------------------------
-def _draft_cfg(verifier: Path) -> DraftConfig:
-    return DraftConfig.from_conf(compose_draft_conf("kimi_tiny"), verifier)
-
-
-def test_matching_store_is_accepted(train_store: Path, draft_verifier_dir: Path) -> None:
-    check_store(StoreReader(train_store), _draft_cfg(draft_verifier_dir), draft_verifier_dir)
-
-
-def _tiny_store(path: Path, verifier: Path, aux_ids: list[int], aux_capture: str = "residual_stream",
-                **identity_changes) -> Path:
-    cfg = compose_config("dump")
-    identity = verifier_identity(verifier, "kimi-tiny") | identity_changes
-    H, n = identity["hidden_size"], len(aux_ids)
-    with StoreWriter(path, identity, aux_ids, cfg.store, {}, aux_convention="vllm", aux_capture=aux_capture,
-                     rank=0, world_size=1) as w:
-        w.add("s0", torch.arange(4), torch.ones(4, dtype=torch.bool), torch.zeros(4, n, H), torch.zeros(4, H))
-    return path
-
-
-@pytest.mark.parametrize("change,message", [
-    ({"aux_ids": [1, 4, 5]}, "aux layer ids"),
-    ({"hidden_size": 128}, "hidden size"),
-    ({"vocab_size": 4096}, "vocabulary"),
-    ({"config_sha256": "0" * 64}, "config_sha256"),
-])
-def test_mismatched_store_is_refused(tmp_path: Path, draft_verifier_dir: Path, change: dict, message: str) -> None:
-    aux = change.pop("aux_ids", [2, 4, 5])
-    store = _tiny_store(tmp_path / "store", draft_verifier_dir, aux, **change)
-    with pytest.raises(StoreMismatchError, match=message) as error:
-        check_store(StoreReader(store), _draft_cfg(draft_verifier_dir), draft_verifier_dir)
-    assert "does not match the draft config" in str(error.value)
-
-
-@pytest.mark.parametrize("store_mode,draft_mode", [("prefix_only", "residual_stream"),
-                                                   ("attn_res_stream", "prefix_only")])
-def test_store_of_another_aux_capture_is_refused(tmp_path: Path, draft_verifier_dir: Path,
-                                                 store_mode: str, draft_mode: str) -> None:
-    store = _tiny_store(tmp_path / "store", draft_verifier_dir, [2, 4, 5], aux_capture=store_mode)
-    with pytest.raises(StoreMismatchError) as error:
-        check_store(StoreReader(store), _draft_cfg(draft_verifier_dir), draft_verifier_dir,
-                    aux_capture=draft_mode)
-    message = str(error.value)
-    assert f"store {store}" in message
-    assert f"aux capture: store has {store_mode} states, the draft is trained for {draft_mode}" in message
-    check_store(StoreReader(store), _draft_cfg(draft_verifier_dir), draft_verifier_dir,
-                aux_capture=store_mode)                                # the same mode: accepted
-
-
-def test_store_of_another_verifier_checkpoint_is_refused(tmp_path: Path, draft_verifier_dir: Path,
-                                                         train_store: Path) -> None:
-    """Same shapes, other weights' config (a retrained verifier): its hash differs."""
-    import json
-
-    other = tmp_path / "other_verifier"
-    shutil.copytree(draft_verifier_dir, other)
-    config = json.loads((other / "config.json").read_text())
-    (other / "config.json").write_text(json.dumps(config | {"rms_norm_eps": 1e-5}))
-    with pytest.raises(StoreMismatchError, match="config_sha256"):
-        check_store(StoreReader(train_store), _draft_cfg(other), other)
+        assert a.tensors().keys() == b.tensors().keys()
+        assert all(torch.equal(t, getattr(b, k)) for k, t in a.tensors().items())
 
 
 def test_row_length_and_lr_follow_the_verifier_recipe() -> None:
     """Kimi configs train at lr 2e-5 (the published drafts); kimi-tiny's rows are shorter."""
-    from train.engine import warmup_steps_of
+    from train.deepspeed_setup import warmup_steps_of
 
     k2 = compose_config("train", ["verifier=kimi_k2", "draft=kimi_k2"]).train
     assert (k2.max_len, k2.lr, k2.warmup_steps, k2.grad_clip) == (8192, 2e-5, 500, 0.5)
@@ -232,7 +190,7 @@ def test_row_length_and_lr_follow_the_verifier_recipe() -> None:
 def test_kimi_k3_recipe() -> None:
     """Rows up to 46,000 tokens, lr 2e-5, warmup 1% of the steps then cosine to 0, clip 1.0,
     loss on the last turn only."""
-    from train.engine import deepspeed_config, lr_factor, warmup_steps_of
+    from train.deepspeed_setup import deepspeed_config, lr_factor, warmup_steps_of
 
     cfg = compose_config("train", ["verifier=kimi_k3", "draft=kimi_k3", "verifier.path=/x"])
     t = cfg.train
@@ -248,7 +206,7 @@ def test_kimi_k3_recipe() -> None:
 def test_warmup_is_steps_or_ratio_not_both() -> None:
     from omegaconf import OmegaConf
 
-    from train.engine import warmup_steps_of
+    from train.deepspeed_setup import warmup_steps_of
 
     for both in ({"warmup_steps": 5, "warmup_ratio": 0.1}, {"warmup_steps": None, "warmup_ratio": None}):
         with pytest.raises(ValueError, match="exactly one"):

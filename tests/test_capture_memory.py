@@ -23,7 +23,8 @@ from dump.capture import (PIECE_BYTES, VLLM_VERSION, CapturedSample, HiddenState
                           _RequestRows, capture_spec, check_vllm_version, start_capture_engine)
 from dump.pipeline import token_batches
 from dump.plan import DEVICE, DUMP, GIB, RELAY, WORKER, call_plan, call_spec, main as plan_main
-from infra import REPO_ROOT, compose_config
+from infra import REPO_ROOT
+from config import compose_config
 
 
 # ---- engine calls by a token budget -----------------------------------------------------------

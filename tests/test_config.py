@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from infra import compose_config
+from config import compose_config
 
 
 @pytest.mark.parametrize("entry", ["build_verifier", "dump", "train"])

@@ -26,7 +26,8 @@ from data.conversations import (
     sharegpt_default_path,
     sharegpt_split_key,
 )
-from infra import compose_config
+from data.records import Origin
+from config import compose_config
 
 DATA = pathlib.Path(__file__).parent / "data"
 SHAREGPT_FIXTURE = DATA / "malformed_sharegpt.jsonl"
@@ -430,7 +431,9 @@ def test_duplicate_ids_keep_the_first_and_name_both_lines(tmp_path):
     stats = ReadStats()
     kept = list(read_messages_jsonl(path, "skip", stats))
     assert [(c.id, c.messages[0].content, c.origin) for c in kept] == [
-        ("a", "q1", "chats.jsonl:1"), ("b", "q2", "chats.jsonl:2"), ("chats:4", "q4", "chats.jsonl:4")]
+        ("a", "q1", Origin("chats.jsonl", 1)), ("b", "q2", Origin("chats.jsonl", 2)),
+        ("chats:4", "q4", Origin("chats.jsonl", 4))]
+    assert [str(c.origin) for c in kept] == ["chats.jsonl:1", "chats.jsonl:2", "chats.jsonl:4"]
     assert (stats.read, stats.skipped, dict(stats.reasons)) == (3, 3, {"duplicate id": 3})
     assert [str(e) for e in stats.errors] == [
         "chats.jsonl:3 (sample a): duplicate id 'a': first at chats.jsonl:1, which is kept",
@@ -447,7 +450,7 @@ def test_a_bad_record_does_not_take_its_id(tmp_path):
     path = _jsonl(tmp_path / "chats.jsonl", [bad, _chat("c", "q2"), _chat(7, "q3"), _chat("7", "q4")])
     stats = ReadStats()
     assert [(c.id, c.origin) for c in read_messages_jsonl(path, "skip", stats)] == [
-        ("c", "chats.jsonl:2"), ("7", "chats.jsonl:3")]
+        ("c", Origin("chats.jsonl", 2)), ("7", Origin("chats.jsonl", 3))]
     assert dict(stats.reasons) == {"wrong nesting": 1, "duplicate id": 1}
 
 

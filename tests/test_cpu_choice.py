@@ -1,5 +1,5 @@
 """What depends on the CPU: the MLA attention backend and dtype of a vLLM CPU engine
-(dump/engine.py) and `train.precision: auto` (train/engine.py precision_of).
+(dump/engine.py) and `train.precision: auto` (train/deepspeed_setup.py precision_of).
 
 The choices are pure functions of the CPU's flags, tested here for CPUs with and without AMX and
 bf16 units whatever this machine is; the last tests check that the configs as composed on this
@@ -17,8 +17,9 @@ from omegaconf import OmegaConf
 import infra
 from dump.engine import attention_backend, cpu_attention_backend, engine_kwargs, vllm_cpu_mla_choice
 from evaluation.speculative import speculative_config
-from infra import compose_config, parse_cpu_flags
-from train.engine import precision_of
+from infra import parse_cpu_flags
+from config import compose_config
+from train.deepspeed_setup import precision_of
 
 # Flag sets as Linux prints them: a Sapphire Rapids Xeon (AMX), an AVX-512 BF16 CPU without AMX
 # (Zen 4/5 EPYC), and one with neither (AVX2 only).

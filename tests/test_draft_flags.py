@@ -13,14 +13,14 @@ import torch
 from omegaconf import DictConfig
 from safetensors import safe_open
 
-from infra import compose_config
+from config import compose_config
+from model.batch import Batch, collate_rows, pack_row
+from model.chain import draft_chain
 from model.checkpoint import export_draft, init_from_draft, load_draft
 from model.draft import ARCHITECTURE_FLAGS, DraftConfig, Eagle3Draft, StepOutput, build_draft
 from model.mla import RMSNorm
 from tests.test_vllm_draft import (  # noqa: F401  (tiny_cfg: a fixture, used by name)
     COMPARE_PROMPTS, compare_first_round, engine_on, make_test_draft, tiny_cfg)
-from train.batches import collate_rows, pack_row
-from train.objective import draft_chain
 
 FLAG_SETS = {"fc_norm": {"fc_norm": True}, "norm_before_residual": {"norm_before_residual": True},
              "norm_output": {"norm_output": True}, "all": dict.fromkeys(ARCHITECTURE_FLAGS, True)}
@@ -45,7 +45,7 @@ def _draft(cfg: DraftConfig, verifier_dir: Path | None = None) -> Eagle3Draft:
     return draft
 
 
-def _batch(cfg: DraftConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+def _batch(cfg: DraftConfig, seed: int = 0) -> Batch:
     """One packed row of a random sample, as the trainer's loader builds it (aux [1, T, n_aux*H_t]),
     its aux states of unequal scale like the verifier's layers."""
     g = torch.Generator().manual_seed(seed)
@@ -56,7 +56,7 @@ def _batch(cfg: DraftConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     return collate_rows([pack_row([(ids, torch.ones(T, dtype=torch.bool), aux, final)], T)])
 
 
-def _chain(draft: Eagle3Draft, batch: dict[str, torch.Tensor]) -> list[StepOutput]:
+def _chain(draft: Eagle3Draft, batch: Batch) -> list[StepOutput]:
     with torch.no_grad():
         return [out for _, out, _ in draft_chain(draft, batch, STEPS)]
 
@@ -78,7 +78,7 @@ def test_the_draft_yamls_carry_the_switches_and_overrides_reach_the_draft() -> N
 # ---- what each switch computes ---------------------------------------------------------------------
 @pytest.mark.parametrize("norm_output", [False, True])
 def test_norm_output_feeds_the_next_step_the_normed_output(tiny_cfg: DraftConfig, norm_output: bool) -> None:
-    """Through the training chain (train/objective.py, also the simulation's): step 1's hidden
+    """Through the training chain (model/chain.py, also the simulation's): step 1's hidden
     input is norm(step 0's layer output) with the switch, the output itself without."""
     draft = _draft(_flagged(tiny_cfg, norm_output=norm_output))
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []     # (hidden in, layer output) per step
@@ -120,7 +120,7 @@ def test_fc_norm_norms_each_aux_state_by_its_own_norm(tiny_cfg: DraftConfig) -> 
     assert draft.fc_norm is not None and len(draft.fc_norm) == tiny_cfg.num_aux
     fc_inputs: list[torch.Tensor] = []
     hook = draft.fc.register_forward_pre_hook(lambda m, args: fc_inputs.append(args[0]))
-    aux = _batch(tiny_cfg)["aux"]
+    aux = _batch(tiny_cfg).aux
     scaled = aux.clone()
     H = tiny_cfg.target_hidden_size
     scaled[..., H:2 * H] *= 37.0
@@ -170,7 +170,8 @@ def test_init_from_refuses_a_folder_with_another_switch(tiny_cfg: DraftConfig, t
                                                         in_folder: bool) -> None:
     export_draft(_draft(_flagged(tiny_cfg, **{flag: in_folder})), tmp_path)
     draft = build_draft(_flagged(tiny_cfg, **{flag: not in_folder}))
-    message = f"{tmp_path} cannot start this draft: {flag} is {in_folder} there, {not in_folder} in the configured draft"
+    message = (f"{tmp_path} cannot start this draft: {flag}: the folder has {in_folder}, the configured draft has "
+               f"{not in_folder} (change draft.{flag}, or train.init_from)")
     with pytest.raises(ValueError, match=re.escape(message)):
         init_from_draft(draft, tmp_path)
 
@@ -184,8 +185,8 @@ def test_init_from_a_folder_with_the_same_switches_copies_fc_norm(tiny_cfg: Draf
 
 
 def test_training_state_export_carries_fc_norm(tiny_cfg: DraftConfig) -> None:
-    """train/engine.py rebuilds the draft from the trainer's state_dict to export it."""
-    from train.engine import draft_from_state
+    """train/export.py rebuilds the draft from the trainer's state_dict to export it."""
+    from train.export import draft_from_state
 
     published = _draft(_flagged(tiny_cfg, **FLAG_SETS["all"]))
     state = published.state_dict()

@@ -15,7 +15,8 @@ from transformers import AutoTokenizer, DeepseekV3ForCausalLM
 
 from data.conversations import Conversation, load_conversations
 from dump.capture import CapturedSample
-from infra import REPO_ROOT, compose_config
+from infra import REPO_ROOT
+from config import compose_config
 from store import StoreReader
 from tests.test_capture import assert_matches_transformers
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from infra import compose_config
+from config import compose_config
 from tests.conftest import in_process_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -107,5 +107,5 @@ def test_a_draft_for_another_verifier_is_refused(test_draft_dir: Path, tmp_path:
     other.mkdir()
     (other / "config.json").write_text(json.dumps({**config, "target_hidden_size": 512}))
     cfg = compose_config("eval", [f"draft_dir={other}"])
-    with pytest.raises(ValueError, match="target_hidden_size: draft 512 != verifier 256"):
+    with pytest.raises(ValueError, match="target_hidden_size: the draft folder has 512, the verifier has 256"):
         check_draft(other, cfg)

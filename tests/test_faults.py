@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from infra import compose_config
+from config import compose_config
 from store import StoreReader
 from tests.conftest import fault_points
 from tests.test_dump import short_multiturn, write_jsonl

@@ -4,8 +4,8 @@ benchmark's smoke mode (with only the packages `make bench-gpu` says it needs) a
 the CPU.
 
 `pytest -m gpu` runs in the project's environment (`make setup GPU=1`): collecting the suite
-imports every test module, and this one reads rows through train/batches.py (the store's
-packages). `make bench-gpu` alone needs only PyTorch, hydra-core and omegaconf."""
+imports every test module, and this one imports the trainer (train/objective.py, train/plan.py).
+`make bench-gpu` alone needs only PyTorch, hydra-core and omegaconf."""
 from __future__ import annotations
 
 import copy
@@ -24,8 +24,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from infra import REPO_ROOT
 from tests.conftest import plain_layer
+from model.batch import Batch, RowSample, collate_rows, pack_row
 from model.draft import DraftConfig, compose_draft_conf
-from train.batches import collate_rows, pack_row
 from train.objective import Eagle3Objective, ObjectiveConfig, soft_cross_entropy
 from train.plan import measure_step, meta_batch, meta_objective
 
@@ -47,16 +47,17 @@ def _objective(cfg: DraftConfig, steps: int = 4, chunk_bytes: int = 1 << 20) -> 
     return synthetic_objective(cfg, ObjectiveConfig(steps, 0.8, chunk_bytes), torch.device("cpu"), torch.float32)
 
 
-def _packed_batch(cfg: DraftConfig, lengths: tuple[int, ...] = (40, 24), seed: int = 0) -> dict[str, torch.Tensor]:
+def _packed_batch(cfg: DraftConfig, lengths: tuple[int, ...] = (40, 24), seed: int = 0) -> Batch:
     """One row of packed samples, about 70% of the tokens assistant-written."""
     g = torch.Generator().manual_seed(seed)
     H = cfg.target_hidden_size
-    samples = [(torch.randint(0, cfg.vocab_size, (n,), generator=g), torch.rand(n, generator=g) < 0.7,
-                torch.randn(n, cfg.num_aux, H, generator=g), torch.randn(n, H, generator=g)) for n in lengths]
+    samples = [RowSample(torch.randint(0, cfg.vocab_size, (n,), generator=g), torch.rand(n, generator=g) < 0.7,
+                         torch.randn(n, cfg.num_aux, H, generator=g), torch.randn(n, H, generator=g))
+               for n in lengths]
     return collate_rows([pack_row(samples, sum(lengths))])
 
 
-def _loss_and_grads(objective: Eagle3Objective, batch: dict[str, torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
+def _loss_and_grads(objective: Eagle3Objective, batch: Batch) -> tuple[float, dict[str, torch.Tensor]]:
     objective.zero_grad(set_to_none=True)
     out = objective(batch)
     out.loss.backward()
@@ -77,12 +78,25 @@ def test_ttt_forward_backward_in_bf16_on_cuda_matches_fp32_on_cpu(tiny_cfg: Draf
 
     cuda = copy.deepcopy(cpu).to("cuda", torch.bfloat16)
     cuda.cast_buffers(torch.bfloat16)
-    cuda_batch = {k: (v.bfloat16() if v.is_floating_point() else v).cuda() for k, v in batch.items()}
+    cuda_batch = batch.map(lambda v: (v.bfloat16() if v.is_floating_point() else v).cuda())
     loss, grads = _loss_and_grads(cuda, cuda_batch)
 
     assert loss == pytest.approx(want_loss, rel=BF16_LOSS_RTOL)
     errors = {name: _relative_error(grads[name], want) for name, want in want_grads.items()}
     assert max(errors.values()) < BF16_GRAD_RTOL, errors
+
+
+@pytest.mark.gpu
+def test_the_loader_pins_its_batches(tiny_cfg: DraftConfig) -> None:
+    """make_loader's DataLoader (collate_rows, pin_memory on CUDA) hands over pinned batches, so
+    the trainer's non-blocking copies to the GPU are asynchronous."""
+    from torch.utils.data import DataLoader
+
+    H = tiny_cfg.target_hidden_size
+    rows = [pack_row([RowSample(torch.arange(n), torch.ones(n, dtype=torch.bool), torch.randn(n, tiny_cfg.num_aux, H),
+                                torch.randn(n, H))], n) for n in (12, 7)]
+    batch = next(iter(DataLoader(rows, batch_size=2, collate_fn=collate_rows, pin_memory=True)))
+    assert isinstance(batch, Batch) and all(t.is_pinned() for t in batch.tensors().values())
 
 
 @pytest.mark.gpu
@@ -124,7 +138,7 @@ def test_plan_of_a_step_against_cuda_memory(tiny_cfg: DraftConfig) -> None:
 
     cuda = _objective(tiny_cfg, chunk_bytes=objective_cfg.chunk_bytes).to("cuda", torch.bfloat16)
     cuda.cast_buffers(torch.bfloat16)
-    batch = {k: v.cuda() for k, v in meta_batch(tiny_cfg, 1, T, device="cpu").items()}
+    batch = meta_batch(tiny_cfg, 1, T, device="cpu").to("cuda")
     measure_step(cuda, batch, 4)                       # warm-up: cuBLAS workspaces, kernels
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -178,7 +192,7 @@ import json, runpy, sys
 sys.modules.update(dict.fromkeys(json.loads(sys.argv.pop(1))))
 runpy.run_module("bench.gpu_train", run_name="__main__", alter_sys=True)
 import bench.gpu_train as bench
-from infra import compose_config
+from config import compose_config
 from model.draft import DraftConfig
 cfg = compose_config("train", bench.KIMI_K2)
 draft = DraftConfig.from_conf(cfg.draft)

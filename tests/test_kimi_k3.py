@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from infra import compose_config
+from config import compose_config
 from model.aux_ids import vllm_to_sglang_aux_ids
 from model.checkpoint import draft_config_json
 from model.draft import DraftConfig

@@ -10,12 +10,13 @@ import torch
 
 import train.objective as objective_module
 from tests.conftest import assert_same_objective_runs
+from model.batch import PAD_SEGMENT, Batch, RowSample, collate_rows, pack_row
+from model.chain import step_inputs
 from model.draft import DraftConfig, build_draft, compose_draft_conf
 from model.verifier_weights import read_verifier_head
 from store import StoreReader
-from train.batches import PAD_SEGMENT, collate_rows, pack_row
 from train.objective import (Eagle3Objective, ObjectiveConfig, build_target_cache, simulated_accept_length,
-                             soft_cross_entropy, step_inputs, topk_targets)
+                             soft_cross_entropy, topk_targets)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def _objective(cfg: DraftConfig, verifier: Path, steps: int = 3, chunk_bytes: in
 
 
 # ---- alignment --------------------------------------------------------------------------------
-def _hand_row() -> dict[str, torch.Tensor]:
+def _hand_row() -> Batch:
     """Two samples packed in one row, then 2 tokens of padding.
     A: ids 10..15, assistant tokens at 3, 4, 5.   B: ids 20..24, assistant tokens at 1, 2, 3."""
     H = 4
@@ -43,18 +44,18 @@ def _hand_row() -> dict[str, torch.Tensor]:
     for ids, mask in (([10, 11, 12, 13, 14, 15], [0, 0, 0, 1, 1, 1]), ([20, 21, 22, 23, 24], [0, 1, 1, 1, 0])):
         T = len(ids)
         final = torch.arange(T, dtype=torch.float32)[:, None].expand(T, H) + ids[0]  # final[t] marks (sample, t)
-        samples.append((torch.tensor(ids), torch.tensor(mask, dtype=torch.bool), torch.zeros(T, 3, H), final))
+        samples.append(RowSample(torch.tensor(ids), torch.tensor(mask, dtype=torch.bool), torch.zeros(T, 3, H), final))
     row = pack_row(samples, max_len=16)                           # 11 tokens
-    longer = {k: torch.zeros((13, *v.shape[1:]), dtype=v.dtype) for k, v in row.items()}
-    return {k: v[:1] for k, v in collate_rows([row, longer]).items()}  # padded to 13, segment -1
+    longer = row.map(lambda v: torch.zeros((13, *v.shape[1:]), dtype=v.dtype))
+    return collate_rows([row, longer]).map(lambda v: v[:1])      # padded to 13, segment -1
 
 
 def test_alignment_on_a_hand_built_row() -> None:
     """Step k at position t reads x[t+1+k], sits at position t+k, is trained towards F[t+1+k],
     and counts iff x[t+2+k] (the predicted token) is an assistant token of the same sample."""
     batch = _hand_row()
-    L = batch["input_ids"].shape[1]
-    assert L == 13 and batch["segment_ids"][0].tolist() == [0] * 6 + [1] * 5 + [-1] * 2
+    L = batch.input_ids.shape[1]
+    assert L == 13 and batch.segment_ids[0].tolist() == [0] * 6 + [1] * 5 + [-1] * 2
     ids0, pos0, counted0 = step_inputs(batch, 0)
     assert ids0[0].tolist() == [11, 12, 13, 14, 15, 0, 21, 22, 23, 24, 0, 0, 0]
     assert pos0[0].tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 0, 0]
@@ -75,8 +76,8 @@ def test_targets_are_the_final_states_one_ahead(monkeypatch, tiny_cfg: DraftConf
     """The verifier hidden state each counted position is trained against: F[t+1+k] of its sample."""
     H = tiny_cfg.hidden_size
     batch = _hand_row()
-    batch = {**batch, "aux": torch.zeros(*batch["input_ids"].shape, 3 * H),
-             "final": batch["final"][..., :1].expand(*batch["final"].shape[:2], H).contiguous()}
+    batch = dataclasses.replace(batch, aux=torch.zeros(*batch.input_ids.shape, 3 * H),
+                                final=batch.final[..., :1].expand(*batch.final.shape[:2], H).contiguous())
     seen = []
     real = objective_module.soft_cross_entropy
 
@@ -101,8 +102,8 @@ def test_chains_follow_each_start_position_through_the_steps(monkeypatch, tiny_c
     its later steps still predict assistant tokens of its own sample: [5, 3, 1, 0] alive."""
     H = tiny_cfg.hidden_size
     batch = _hand_row()
-    batch = {**batch, "aux": torch.zeros(*batch["input_ids"].shape, 3 * H),
-             "final": torch.zeros(*batch["input_ids"].shape, H)}
+    batch = dataclasses.replace(batch, aux=torch.zeros(*batch.input_ids.shape, 3 * H),
+                                final=torch.zeros(*batch.input_ids.shape, H))
     real = objective_module.soft_cross_entropy
 
     def always_right(*args):
@@ -223,8 +224,8 @@ def test_pruned_vocabulary_trains_against_the_restricted_target(
     with torch.no_grad():
         draft = obj.draft
         ids, positions, _ = step_inputs(batch, 0)
-        step = draft.step(ids, draft.project_aux(batch["aux"]), positions, None, batch["segment_ids"])
-        ref, _ = _reference(step.normed[b, t], draft.lm_head.weight, batch["final"][b, t + 1], obj.target_head, keep)
+        step = draft.step(ids, draft.project_aux(batch.aux), positions, None, batch.segment_ids)
+        ref, _ = _reference(step.normed[b, t], draft.lm_head.weight, batch.final[b, t + 1], obj.target_head, keep)
     torch.testing.assert_close(out.stats.loss_sum[0].float(), ref, rtol=1e-5, atol=1e-4)
     assert obj.draft.fc.weight.grad is not None and obj.draft.fc.weight.grad.abs().sum() > 0
 
@@ -247,7 +248,7 @@ def test_target_cache_gives_the_loss_stats_and_gradients_of_recomputing(
     for cache_bytes in (0, 1 << 30):
         obj = _objective(cfg, draft_verifier_dir, steps=4, chunk_bytes=1 << 20, d2t=d2t)
         obj.cfg = dataclasses.replace(obj.cfg, target_cache_bytes=cache_bytes)
-        assert (obj._target_cache(batch, batch["final"], None if d2t is None else torch.arange(256) + d2t)
+        assert (obj._target_cache(batch, batch.final, None if d2t is None else torch.arange(256) + d2t)
                 is None) == (cache_bytes == 0)
         out = obj(batch)
         out.loss.backward()
@@ -408,7 +409,7 @@ def test_objective_optimises_and_logs_the_acceptance_term(
     batch = collate_rows([pack_row([(s.input_ids, s.loss_mask, s.aux, s.final)], 4096)])
     obj = _objective(tiny_cfg, draft_verifier_dir, steps=1)
     obj.cfg = dataclasses.replace(obj.cfg, target_cache_bytes=cache_bytes, acceptance=kind, acceptance_weight=0.5)
-    assert (obj._target_cache(batch, batch["final"], None) is None) == (cache_bytes == 0)
+    assert (obj._target_cache(batch, batch.final, None) is None) == (cache_bytes == 0)
     out = obj(batch)
     out.loss.backward()
     _, _, counted = step_inputs(batch, 0)
@@ -416,8 +417,8 @@ def test_objective_optimises_and_logs_the_acceptance_term(
     with torch.no_grad():
         draft = obj.draft
         ids, positions, _ = step_inputs(batch, 0)
-        step = draft.step(ids, draft.project_aux(batch["aux"]), positions, None, batch["segment_ids"])
-        args = (step.normed[b, t].double(), draft.lm_head.weight.double(), batch["final"][b, t + 1].double(),
+        step = draft.step(ids, draft.project_aux(batch.aux), positions, None, batch.segment_ids)
+        args = (step.normed[b, t].double(), draft.lm_head.weight.double(), batch.final[b, t + 1].double(),
                 obj.target_head.double(), None)
         ref = _acceptance_reference(*args, kind, 0.5)
         ce, _ = _reference(*args)
@@ -446,15 +447,14 @@ def test_acceptance_settings_are_refused_where_they_cannot_work(
     s = reader.read_sample(reader.samples()[0], torch.float32)
     batch = collate_rows([pack_row([(s.input_ids, s.loss_mask, s.aux, s.final)], 4096)])
     obj = _objective(tiny_cfg, draft_verifier_dir, steps=1)
-    batch = {**batch, **topk_targets(batch, obj.target_head, 4, 1 << 20)}
-    del batch["final"]
+    batch = topk_targets(batch, obj.target_head, 4, 1 << 20)
     obj.cfg = cfg
     with pytest.raises(ValueError, match="whole distribution"):
         obj(batch)
 
 
 def test_train_config_passes_the_acceptance_keys() -> None:
-    from infra import compose_config
+    from config import compose_config
     from train.loop import _objective_config
 
     default = _objective_config(compose_config("train"))
@@ -471,9 +471,9 @@ def test_padding_to_a_length_grid_changes_no_loss_or_gradient(
     sample = reader.read_sample(reader.samples()[0], torch.float32)
     row = pack_row([(sample.input_ids, sample.loss_mask, sample.aux, sample.final)], 4096)
     free, grid = collate_rows([row]), collate_rows([row], multiple=100)
-    T = row["input_ids"].shape[0]
-    assert free["input_ids"].shape[1] == T and grid["input_ids"].shape[1] == -(-T // 100) * 100 > T
-    assert (grid["segment_ids"][0, T:] == PAD_SEGMENT).all() and not grid["loss_mask"][0, T:].any()
+    T = row.input_ids.shape[0]
+    assert free.input_ids.shape[1] == T and grid.input_ids.shape[1] == -(-T // 100) * 100 > T
+    assert (grid.segment_ids[0, T:] == PAD_SEGMENT).all() and not grid.loss_mask[0, T:].any()
     obj = _objective(tiny_cfg, draft_verifier_dir, steps=3)
     results = []
     for batch in (free, grid):

@@ -15,8 +15,9 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from infra import compose_config
+from config import compose_config
 from tests.conftest import plain_layer
+from model.batch import Batch
 from model.draft import DraftConfig, compose_draft_conf
 from train.objective import Eagle3Objective, ObjectiveConfig
 from train.plan import (PlanSpec, StepMemory, main, measure_step, memory_plan, meta_batch, meta_objective,
@@ -62,7 +63,7 @@ def _allocations(fn: Callable[[], Any]) -> tuple[Any, list[int]]:
     return result, [int(e["args"]["Bytes"]) for e in memory]
 
 
-def _real_step(objective: Eagle3Objective, batch: dict[str, torch.Tensor]) -> tuple[int, int]:
+def _real_step(objective: Eagle3Objective, batch: Batch) -> tuple[int, int]:
     """(bytes held after the forward, peak bytes over forward + backward) of one step on the CPU,
     from the allocator; gradients dropped when accumulated, as measure_step does."""
     hooks = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
@@ -82,7 +83,7 @@ def test_meta_activations_and_peak_match_the_cpu_allocator(tiny_cfg: DraftConfig
                                        meta_batch(tiny_cfg, 1, T_CHECK), STEPS)
     objective = synthetic_objective(tiny_cfg, objective_cfg, torch.device("cpu"), torch.float32)
     batch = synthetic_batch(tiny_cfg, T_CHECK, torch.device("cpu"))
-    batch = {k: (v.float() if v.is_floating_point() else v) for k, v in batch.items()}  # as the fp32 trainer
+    batch = batch.map(lambda v: v.float() if v.is_floating_point() else v)  # as the fp32 trainer
     held, peak = _real_step(objective, batch)
     print(f"\nT {T_CHECK}, TTT {STEPS}: activations plan {planned.saved_bytes / 2**20:.2f} MiB vs held after "
           f"forward {held / 2**20:.2f} MiB (ratio {planned.saved_bytes / held:.4f}); peak plan "

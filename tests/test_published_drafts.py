@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from infra import compose_config
+from config import compose_config
 from model.aux_ids import sglang_to_vllm_aux_ids
 from model.card import write_card
 from model.checkpoint import (DEEPSEEK_V3, EMBED, KIMI_K3, draft_config_for_run, engine_load_problems,

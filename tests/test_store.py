@@ -13,7 +13,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from infra import compose_config
+from config import compose_config
 from store import (
     AUX,
     MANIFEST_DIR,
@@ -35,7 +35,10 @@ from store import (
     target_rows,
     verifier_identity,
 )
-from store.durable import _read_manifest, _write_manifest
+from data.records import Origin
+from data.rejection import Rejection, RejectionKind
+from store.durable import _manifest_path, _read_manifest, _write_manifest
+from store.sealed import replace_sealed_json, unseal_json
 
 H, N_AUX, VOCAB = 32, 3, 1000
 AUX_IDS = [2, 4, 5]
@@ -203,14 +206,98 @@ def test_non_finite_samples_are_rejected_and_named(tmp_path: Path) -> None:
         assert writer.add("nan", **nan_aux) is False
         assert writer.add("inf", **inf_final) is False
         assert writer.add("ok", **make_sample("ok")) is True
-        writer.reject("template", "no assistant turn")  # the caller's own rejections
+        # the caller's own rejections
+        writer.reject(Rejection(RejectionKind.NO_ASSISTANT_TURN, "template", "no assistant turn"))
     assert set(writer.stats.rejected) == {"nan", "inf", "template"}
-    assert "aux" in writer.stats.rejected["nan"] and "final" in writer.stats.rejected["inf"]
+    assert "aux" in writer.stats.rejected["nan"].reason and "final" in writer.stats.rejected["inf"].reason
+    assert writer.stats.rejected["nan"].kind == writer.stats.rejected["inf"].kind == RejectionKind.NON_FINITE
     assert set(read_all(tmp_path)) == {"ok"}
     report = inspect_store(tmp_path)
     assert set(report["rejected"]) == {"nan", "inf", "template"} and report["samples"] == 1
     assert "'nan'" in format_inspect(report)
     assert {"nan", "inf", "template", "ok"} <= open_writer(tmp_path).done_sample_ids()  # not retried
+
+
+def test_rejection_records_round_trip_through_a_store(tmp_path: Path) -> None:
+    """What the writer records is what the manifest keeps, what a resumed writer reads back and
+    keeps through its next manifest write, and what inspect counts by kind."""
+    nan = make_sample("nan")
+    nan["aux"][0, 0, 0] = float("nan")
+    empty = {k: v[:0] for k, v in make_sample("empty").items()}
+    template = Rejection(RejectionKind.CHAT_TEMPLATE, "tool", "chat template failed: unknown role: tool",
+                         Origin("chats.jsonl", 7))
+    with open_writer(tmp_path) as writer:
+        assert writer.add("nan", **nan, origin=Origin("chats.jsonl", 3)) is False
+        assert writer.add("empty", **empty) is False
+        writer.reject(template)
+        writer.add("ok", **make_sample("ok"))
+    expected = {"nan": Rejection(RejectionKind.NON_FINITE, "nan", "aux hidden states have 1 non-finite values "
+                                 "(NaN/Inf)", Origin("chats.jsonl", 3)),
+                "empty": Rejection(RejectionKind.NO_TOKENS, "empty", "no tokens"),
+                "tool": template}
+    assert writer.stats.rejected == expected
+    raw = unseal_json(_manifest_path(tmp_path, 0).read_bytes())
+    assert raw["rejected"]["tool"] == {"kind": "chat template", "file": "chats.jsonl", "line": 7,
+                                       "reason": "chat template failed: unknown role: tool"}
+    assert raw["rejected"]["empty"] == {"kind": "no tokens", "file": None, "line": None, "reason": "no tokens"}
+    assert _read_manifest(_manifest_path(tmp_path, 0)).rejected == expected
+    with open_writer(tmp_path) as resumed:  # a resumed run skips them, and rewrites the manifest
+        assert set(expected) <= resumed.done_sample_ids()
+        resumed.add("ok-2", **make_sample("ok-2"))
+    assert _read_manifest(_manifest_path(tmp_path, 0)).rejected == expected
+    report = inspect_store(tmp_path)
+    assert report["rejected"] == {sample: r.to_json() for sample, r in expected.items()}
+    assert report["rejected_by_kind"] == {"non-finite hidden states": 1, "no tokens": 1, "chat template": 1}
+    text = format_inspect(report)
+    assert "3 rejected (non-finite hidden states: 1, no tokens: 1, chat template: 1)" in text
+    assert "rejected      'tool' at chats.jsonl:7, chat template: chat template failed" in text
+
+
+# The sentences manifests held before rejections were records, and the records they read as.
+LEGACY_REASONS = {
+    "a": ("chats.jsonl:4 (sample a): 300 tokens > max_len 256",
+          Rejection(RejectionKind.OVER_LONG, "a", "300 tokens > max_len 256", Origin("chats.jsonl", 4))),
+    "b:2": ("my:file.jsonl:12 (sample b:2): chat template failed: unknown role: tool",
+            Rejection(RejectionKind.CHAT_TEMPLATE, "b:2", "chat template failed: unknown role: tool",
+                      Origin("my:file.jsonl", 12))),
+    "c": ("sample c: no assistant token within 256 tokens",
+          Rejection(RejectionKind.NO_ASSISTANT_TOKEN, "c", "no assistant token within 256 tokens")),
+    "d": ("aux hidden states have 2 non-finite values (NaN/Inf); final hidden states have 1 non-finite "
+          "values (NaN/Inf)", Rejection(RejectionKind.NON_FINITE, "d", "aux hidden states have 2 non-finite "
+                                        "values (NaN/Inf); final hidden states have 1 non-finite values (NaN/Inf)")),
+    "e": ("no tokens", Rejection(RejectionKind.NO_TOKENS, "e", "no tokens")),
+    "f": ("no assistant turn", Rejection(RejectionKind.NO_ASSISTANT_TURN, "f", "no assistant turn")),
+    "g": ("the disk was tired", Rejection(RejectionKind.UNKNOWN, "g", "the disk was tired")),
+}
+
+
+def test_a_legacy_manifest_of_reason_strings_still_opens_and_resumes(tmp_path: Path) -> None:
+    write_store(tmp_path, IDS[:4])
+    file = _manifest_path(tmp_path, 0)
+    raw = unseal_json(file.read_bytes())
+    raw["rejected"] = {sample: text for sample, (text, _) in LEGACY_REASONS.items()}
+    replace_sealed_json(file, raw)  # as an earlier version wrote it: checked, reasons as sentences
+    expected = {sample: record for sample, (_, record) in LEGACY_REASONS.items()}
+    assert _read_manifest(file).rejected == expected
+    assert inspect_store(tmp_path)["rejected_by_kind"]["unknown"] == 1
+    with open_writer(tmp_path) as writer:  # resumes: the rejected samples are done
+        assert set(LEGACY_REASONS) | set(IDS[:4]) <= writer.done_sample_ids()
+        writer.add(IDS[4], **make_sample(IDS[4]))
+    rewritten = unseal_json(file.read_bytes())["rejected"]
+    assert rewritten == {sample: record.to_json() for sample, record in expected.items()}
+    assert set(read_all(tmp_path)) == set(IDS[:5])
+
+
+def test_a_rejection_of_a_kind_outside_the_set_is_a_damaged_manifest(tmp_path: Path) -> None:
+    write_store(tmp_path, IDS[:2])
+    file = _manifest_path(tmp_path, 0)
+    raw = unseal_json(file.read_bytes())
+    raw["rejected"] = {"x": {"kind": "cosmic ray", "file": None, "line": None, "reason": "?"}}
+    replace_sealed_json(file, raw)
+    with pytest.raises(StoreCorruptError, match="rank-00000.json is damaged: .*cosmic ray"):
+        StoreReader(tmp_path)
+    with pytest.raises(ValueError):
+        Rejection("cosmic ray", "x", "?")  # type: ignore[arg-type]
 
 
 def test_resume_with_other_settings_is_refused(tmp_path: Path) -> None:
@@ -258,7 +345,7 @@ def as_format_1(path: Path) -> None:
         manifest = _read_manifest(file)
         shards = [{k: v for k, v in asdict(s).items() if k != "metadata_sha256"} for s in manifest.shards]
         file.write_text(json.dumps({"format_version": 1, "rank": manifest.rank, "shards": shards,
-                                    "rejected": manifest.rejected}))
+                                    "rejected": {k: r.reason for k, r in manifest.rejected.items()}}))
     for shard in (path / SHARDS_DIR).iterdir():
         group = json.loads((shard / "zarr.json").read_text())
         del group["attributes"]["aux_capture"]

@@ -33,7 +33,8 @@ from store import (
     read_store_meta,
     target_rows,
 )
-from store.durable import _metadata_sha256, _read_manifest, _replace_json_durably, _write_json_durably
+from store.durable import _metadata_sha256, _read_manifest
+from store.sealed import replace_sealed_json, write_sealed_json
 from tests.test_store import (AUX_IDS, IDENTITY, IDS, N_AUX, VOCAB, H, _flip_byte_in_chunk, legacy_storage,
                               make_sample, storage)
 
@@ -264,7 +265,7 @@ def rewrite_store_json(path: Path, change: dict[str, Any]) -> None:
             meta[target][rest[0]] = value
         else:
             meta[key] = value
-    _write_json_durably(path / STORE_META, meta)  # with its sha256 line: not damage, a newer store
+    write_sealed_json(path / STORE_META, meta)  # with its sha256 line: not damage, a newer store
 
 
 @pytest.mark.parametrize("change, expected", [
@@ -290,7 +291,7 @@ def as_format_2(path: Path, mode: str) -> None:
     manifests' hashes of the changed zarr.json files."""
     meta = read_store_meta(path)
     meta |= {"format_version": 2, "storage": legacy_storage(meta["storage"], mode)}
-    _write_json_durably(path / STORE_META, meta)
+    write_sealed_json(path / STORE_META, meta)
     for shard in (path / SHARDS_DIR).iterdir():
         group = json.loads((shard / "zarr.json").read_text())
         group["attributes"] |= {"format_version": 2, "storage": meta["storage"]}
@@ -299,7 +300,7 @@ def as_format_2(path: Path, mode: str) -> None:
         manifest = _read_manifest(file)
         for entry in manifest.shards:
             entry.metadata_sha256 = _metadata_sha256(path / SHARDS_DIR / entry.name)
-        _replace_json_durably(file, {"format_version": 2, **asdict(manifest)})
+        replace_sealed_json(file, {"format_version": 2, **asdict(manifest)})
 
 
 @pytest.mark.parametrize("mode, preset", [("bf16", "lossless"), ("fp8", "fp8"), ("fp32", "fp32")])

@@ -1,5 +1,6 @@
 """Tests of the top-k (bucket) cross-entropy of train/objective.py, the top-k rows of
-train/batches.py and the simulation's refusal of a sample without final states."""
+model/batch.py (from train/batches.py's row_sample) and the simulation's refusal of a sample
+without final states."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,11 +12,13 @@ from torch import Tensor
 
 import train.objective as objective_module
 from tests.conftest import assert_same_objective_runs
+from model.batch import Batch, collate_rows, pack_row
+from model.chain import step_inputs
 from model.draft import DraftConfig, build_draft, compose_draft_conf
 from model.vocab import target_ids_of
-from train.batches import collate_rows, pack_row, row_sample
+from train.batches import row_sample
 from train.objective import (ChunkedTopKCE, Eagle3Objective, ObjectiveConfig, draft_ids_of, soft_cross_entropy,
-                             step_inputs, topk_cross_entropy)
+                             topk_cross_entropy)
 
 NEG_INF = float("-inf")
 
@@ -255,7 +258,7 @@ def _objective(cfg: DraftConfig, verifier: Path, target_head: Tensor | None, ste
     return Eagle3Objective(draft, target_head, ObjectiveConfig(steps, 0.8, 1 << 22))
 
 
-def _topk_batch(cfg: DraftConfig, k: int, lengths: tuple[int, ...], seed: int = 0) -> dict[str, Tensor]:
+def _topk_batch(cfg: DraftConfig, k: int, lengths: tuple[int, ...], seed: int = 0) -> Batch:
     """Two rows (the second padded): samples with stored top-k targets of a random verifier."""
     rows = []
     for r, row_lengths in enumerate(((lengths[0], lengths[1]), (lengths[2],))):
@@ -272,8 +275,8 @@ def _topk_batch(cfg: DraftConfig, k: int, lengths: tuple[int, ...], seed: int = 
 
 def test_rows_not_stored_never_reach_the_loss(monkeypatch, tiny_cfg: DraftConfig, draft_verifier_dir: Path) -> None:
     batch = _topk_batch(tiny_cfg, 8, (19, 14, 21))
-    assert batch["target_ids"].shape[:2] == batch["input_ids"].shape and batch["target_ids"].shape[2] == 8
-    assert (batch["target_ids"] == -1).any() and (batch["segment_ids"] == -1).any()
+    assert batch.target_ids.shape[:2] == batch.input_ids.shape and batch.target_ids.shape[2] == 8
+    assert (batch.target_ids == -1).any() and (batch.segment_ids == -1).any()
     seen = []
     real = objective_module.topk_cross_entropy
 
@@ -290,10 +293,9 @@ def test_rows_not_stored_never_reach_the_loss(monkeypatch, tiny_cfg: DraftConfig
         assert (ids >= 0).all() and torch.isfinite(logprobs).all()
     assert torch.isfinite(out.loss) and out.stats.count.tolist() == [len(ids) for ids, _ in seen]
     # Garbage in the rows not stored (and in the padding) changes nothing.
-    spoiled = dict(batch)
-    unstored = batch["target_ids"][..., 0] < 0
-    spoiled["target_ids"] = torch.where(unstored[..., None], 5, batch["target_ids"])
-    spoiled["target_logprobs"] = torch.where(unstored[..., None], float("nan"), batch["target_logprobs"])
+    unstored = batch.target_ids[..., 0] < 0
+    spoiled = batch.with_topk(torch.where(unstored[..., None], 5, batch.target_ids),
+                              torch.where(unstored[..., None], float("nan"), batch.target_logprobs))
     with torch.no_grad():
         again = obj(spoiled)
     assert torch.equal(again.loss, out.loss) and torch.equal(again.stats.stacked(), out.stats.stacked())
@@ -301,11 +303,11 @@ def test_rows_not_stored_never_reach_the_loss(monkeypatch, tiny_cfg: DraftConfig
 
 def test_topk_rows_pad_ids_with_minus_one_and_logprobs_with_minus_inf(tiny_cfg: DraftConfig) -> None:
     batch = _topk_batch(tiny_cfg, 4, (9, 6, 11))
-    assert "final" not in batch and batch["target_ids"].dtype == torch.int64
-    assert batch["target_logprobs"].dtype == torch.float32
-    pad = batch["segment_ids"] == -1                                      # [2, 15]: the second row's tail
-    assert pad.sum() == 4 and (batch["target_ids"][pad] == -1).all()
-    assert (batch["target_logprobs"][pad] == NEG_INF).all()
+    assert batch.topk and batch.final is None and batch.target_ids.dtype == torch.int64
+    assert batch.target_logprobs.dtype == torch.float32
+    pad = batch.segment_ids == -1                                         # [2, 15]: the second row's tail
+    assert pad.sum() == 4 and (batch.target_ids[pad] == -1).all()
+    assert (batch.target_logprobs[pad] == NEG_INF).all()
     ids, mask, aux, final = _sample(tiny_cfg, 5, 0)
     with pytest.raises(ValueError, match="mixes"):
         pack_row([(ids, mask, aux, final), (ids, mask, aux, (torch.zeros(5, 2, dtype=torch.long),
@@ -321,7 +323,7 @@ def test_a_few_steps_lower_the_topk_loss(tiny_cfg: DraftConfig, draft_verifier_d
     d2t = None
     cfg = tiny_cfg
     if pruned:          # the rows' own top-k ids and some others: S is partly outside the draft
-        wanted = torch.unique(batch["target_ids"][batch["target_ids"] >= 0])
+        wanted = torch.unique(batch.target_ids[batch.target_ids >= 0])
         kept = torch.unique(torch.cat([wanted[::2], torch.arange(0, tiny_cfg.vocab_size, 16)]))
         d2t = kept - torch.arange(kept.numel())
         cfg = dataclasses.replace(tiny_cfg, draft_vocab_size=kept.numel())
@@ -355,14 +357,14 @@ def test_simulation_refuses_a_sample_without_final_states(tiny_cfg: DraftConfig,
 def test_step_inputs_count_only_stored_rows(tiny_cfg: DraftConfig) -> None:
     """Every counted position of every step reads a stored row (alignment of the store's rule)."""
     batch = _topk_batch(tiny_cfg, 3, (13, 10, 17))
-    stored = batch["target_ids"][..., 0] >= 0
+    stored = batch.target_ids[..., 0] >= 0
     for k in range(4):
         _, _, counted = step_inputs(batch, k)
         b, t = counted.nonzero(as_tuple=True)
         assert stored[b, t + 1 + k].all()
 
 
-def _dense_batch(cfg: DraftConfig) -> dict[str, Tensor]:
+def _dense_batch(cfg: DraftConfig) -> Batch:
     rows = [[_sample(cfg, T, seed) for seed, T in ((0, 23), (1, 17))], [_sample(cfg, 30, 2)]]
     return collate_rows([pack_row(row, 48) for row in rows])
 
@@ -392,16 +394,16 @@ def test_topk_targets_are_the_verifier_topk_on_the_rows_a_step_reads(tiny_cfg: D
     head = read_verifier_head(draft_verifier_dir, torch.float32).lm_head
     batch = _dense_batch(tiny_cfg)
     got = topk_targets(batch, head, 5, 1 << 16)                  # a few rows per logits block
-    read = torch.zeros_like(batch["loss_mask"])                   # rows t+1+k of counted (t, k)
+    read = torch.zeros_like(batch.loss_mask)                      # rows t+1+k of counted (t, k)
     for k in range(4):
         _, _, counted = step_inputs(batch, k)
         b, t = counted.nonzero(as_tuple=True)
         read[b, t + 1 + k] = True
-    has = got["target_ids"][..., 0] >= 0
+    has = got.target_ids[..., 0] >= 0
     assert read.any() and torch.equal(has & read, read)           # every row a step reads
-    assert not (has & (batch["segment_ids"] < 0)).any()           # never padding
-    logprobs = torch.log_softmax(batch["final"].float() @ head.T, -1)
+    assert not (has & (batch.segment_ids < 0)).any()              # never padding
+    logprobs = torch.log_softmax(batch.final.float() @ head.T, -1)
     top = logprobs.topk(5, -1)
-    assert torch.equal(got["target_ids"][has], top.indices[has])
-    torch.testing.assert_close(got["target_logprobs"][has], top.values[has])
-    assert (got["target_ids"][~has] == -1).all() and (got["target_logprobs"][~has] == NEG_INF).all()
+    assert torch.equal(got.target_ids[has], top.indices[has])
+    torch.testing.assert_close(got.target_logprobs[has], top.values[has])
+    assert (got.target_ids[~has] == -1).all() and (got.target_logprobs[~has] == NEG_INF).all()

@@ -1,4 +1,4 @@
-"""End-to-end tests of `python -m train` (train/loop.py, train/engine.py) on a small real store.
+"""End-to-end tests of `python -m train` (train/loop.py and the modules it drives) on a small real store.
 
 Single-rank runs go in-process (one gloo process group for the session); the 2-rank run and the
 killed run are subprocesses. Everything is fp32 on the CPU, where DeepSpeed's steps are
@@ -19,13 +19,16 @@ import pytest
 import torch
 
 import train.loop as loop
-from infra import REPO_ROOT, compose_config
+from infra import REPO_ROOT
+from config import compose_config
 from model.checkpoint import load_draft
 from store import StoreMismatchError, StoreWriter, verifier_identity
 from tests.conftest import TRAIN_STORE_MAX_LEN, write_verifier_store
 from train.batches import SplitSizes, SplitTooSmallError, StoreSplit, check_split_sizes
-from train.engine import (COMPLETE, NonFiniteLossError, complete_checkpoints, consolidated_checkpoint_state,
-                          precision_of)
+from train.checkpoints import COMPLETE, complete_checkpoints
+from train.deepspeed_setup import precision_of
+from train.distributed import NonFiniteLossError
+from train.export import consolidated_checkpoint_state
 from train.metrics import read_jsonl
 from train.objective import Eagle3Objective, ObjectiveOutput
 
@@ -162,12 +165,12 @@ def test_export_finds_the_runs_verifier_in_its_saved_config(tmp_path: Path, draf
     embedding), and knows none for a run folder without one."""
     from omegaconf import OmegaConf
 
-    from train.__main__ import _run_verifier
+    from train.run_folder import RunFolder
 
-    assert _run_verifier(tmp_path) is None
+    assert RunFolder(tmp_path).trained_verifier() is None
     (tmp_path / ".hydra").mkdir()
     OmegaConf.save(compose_config("train", [f"verifier.path={draft_verifier_dir}"]), tmp_path / ".hydra" / "config.yaml")
-    assert _run_verifier(tmp_path) == draft_verifier_dir
+    assert RunFolder(tmp_path).trained_verifier() == draft_verifier_dir
 
 
 def test_precision_auto_is_bf16_on_accelerators_and_on_this_cpu_by_its_flags() -> None:
@@ -221,7 +224,7 @@ def test_mismatched_store_is_refused_before_any_compute(tmp_path: Path, draft_ve
         raise AssertionError("the model was built for a mismatched store")
 
     monkeypatch.setattr(loop, "build_objective", no_compute)
-    with pytest.raises(StoreMismatchError, match=r"aux layer ids .*store has \[1, 4, 5\].*expects \[2, 4, 5\]"):
+    with pytest.raises(StoreMismatchError, match=r"aux layer ids .*store has \[1, 4, 5\].*the draft has \[2, 4, 5\]"):
         _fit(tmp_path / "run", _overrides(store, draft_verifier_dir))
 
 

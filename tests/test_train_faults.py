@@ -1,4 +1,4 @@
-"""Fault injection on the trainer (train/loop.py, train/engine.py): one run folder killed again
+"""Fault injection on the trainer (train/loop.py, train/checkpoints.py): one run folder killed again
 and again (during a checkpoint save, between its files, before and after its marker, after a
 step, at a random moment with its loader workers) and resumed each time must end exactly where an
 uninterrupted run ends; flipped bytes in any file of a checkpoint must be refused by name, with
@@ -28,8 +28,9 @@ from infra import FAILPOINTS_ENV, REPO_ROOT
 from tests.conftest import fault_points
 from tests.test_train import _command, _env, _fit, _losses, _overrides, one_thread  # noqa: F401
 from tools.faults import flip_byte
-from train import engine as E
-from train.engine import COMPLETE, CheckpointError, checkpoint_problem, consolidated_checkpoint_state
+from train import checkpoints as C
+from train.checkpoints import COMPLETE, CheckpointError, checkpoint_problem
+from train.export import consolidated_checkpoint_state
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
@@ -60,7 +61,7 @@ def reference(train_store: Path, draft_verifier_dir: Path, tmp_path_factory: pyt
 
 
 def _weights(run: Path) -> dict[str, torch.Tensor]:
-    return consolidated_checkpoint_state(run / "checkpoints" / E.tag_of(STEPS))
+    return consolidated_checkpoint_state(run / "checkpoints" / C.tag_of(STEPS))
 
 
 def _assert_same_run(run: Path, reference: Path) -> int:
@@ -175,9 +176,9 @@ def test_chained_kills_then_resume_repeat_the_uninterrupted_run(reference: Path,
     equal = _assert_same_run(run, reference)
     final_start = resumes[-1][2]
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["resumed_from"] == (str(root / E.tag_of(final_start)) if final_start else None)
+    assert summary["resumed_from"] == (str(root / C.tag_of(final_start)) if final_start else None)
     assert not _expected_resume(root)[1], "unfinished saves were left behind"
-    assert [p.name for p in E.complete_checkpoints(root)] == [E.tag_of(s) for s in (STEPS - EVERY, STEPS)]
+    assert [p.name for p in C.complete_checkpoints(root)] == [C.tag_of(s) for s in (STEPS - EVERY, STEPS)]
     print(f"\nkills: {len(kinds)} ({', '.join(f'{k} from step {s} [{f}]' for k, f, s in resumes[:-1])}); "
           f"final run resumed from step {resumes[-1][2]}; partial checkpoints seen and skipped: "
           f"{len(partial_seen)}; losses bit-equal {equal}/{STEPS}; {time.time() - began:.0f} s")
@@ -190,7 +191,7 @@ def test_flipped_bytes_are_refused_by_name_and_auto_falls_back(reference: Path, 
     run = tmp_path / "corrupt"
     shutil.copytree(reference, run)
     root = run / "checkpoints"
-    newest, previous = root / E.tag_of(STEPS), root / E.tag_of(STEPS - EVERY)
+    newest, previous = root / C.tag_of(STEPS), root / C.tag_of(STEPS - EVERY)
     refusal = f"the previous complete checkpoint is {previous}; resume from it with train.resume={previous}"
     files = sorted(p.relative_to(newest).as_posix() for p in newest.rglob("*") if p.is_file())
     assert COMPLETE in files and len(files) >= 3               # the marker, model and optimizer states
@@ -214,8 +215,8 @@ def test_flipped_bytes_are_refused_by_name_and_auto_falls_back(reference: Path, 
                 assert str(refused.value).endswith(refusal)
                 # ... and auto takes the previous one, naming the corrupt one in an error.
                 caplog.clear()
-                with caplog.at_level(logging.ERROR, logger="train.engine"):
-                    assert E.resolve_resume("auto", root) == previous
+                with caplog.at_level(logging.ERROR, logger="train.checkpoints"):
+                    assert C.resolve_resume("auto", root) == previous
                 assert any(str(newest) in r.getMessage() and f"file {rel} " in r.getMessage()
                            for r in caplog.records), caplog.text
             flip_byte(path, offset, mask)
@@ -234,7 +235,7 @@ def test_flipped_bytes_are_refused_by_name_and_auto_falls_back(reference: Path, 
     # The whole way: auto resumes from the previous checkpoint, saves the newest again, and ends
     # where the uninterrupted run ended.
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="train.engine"):
+    with caplog.at_level(logging.WARNING, logger="train.checkpoints"):
         summary = _fit(run, _fault_overrides(train_store, draft_verifier_dir))
     assert summary["resumed_from"] == str(previous)
     messages = [r.getMessage() for r in caplog.records]
@@ -272,6 +273,6 @@ def _missing_resized_or_unmarked(run: Path, newest: Path, previous: Path, store:
     with pytest.raises(CheckpointError, match=re.escape(f"checkpoint {newest}: file {COMPLETE} is missing: the save "
                                                         f"did not finish (a partial checkpoint); the previous")):
         _fit(run, _fault_overrides(store, verifier, f"train.resume={newest}"))
-    assert E.resolve_resume("auto", newest.parent) == previous
+    assert C.resolve_resume("auto", newest.parent) == previous
     (newest / COMPLETE).write_bytes(marker)
     assert checkpoint_problem(newest) is None

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dump.transcode import TranscodeError, transcode
-from infra import compose_config
+from config import compose_config
 from model.verifier import verifier_dir
 from model.verifier_weights import read_verifier_head
 from store import StoreReader, StoreWriter, verifier_identity

@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer, DeepseekV3ForCausalLM
 
 from data.conversations import load_conversations
-from infra import compose_config
+from config import compose_config, recorded
 from tools.build_verifier import evaluate, hf_config_dict, tokenize_until
 
 SPECIAL = ["[BOS]", "[EOS]", "[PAD]", "[UNK]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>",
@@ -98,7 +98,7 @@ def test_shipped_weights_reproduce_the_card_loss(kimi_tiny_dir: Path, tokenizer)
     facts = json.loads((kimi_tiny_dir / "training_log.json").read_text())["facts"]
     cfg = OmegaConf.create(facts["config"])
     model = DeepseekV3ForCausalLM.from_pretrained(kimi_tiny_dir, dtype=torch.float32)
-    eval_ids = tokenize_until(tokenizer, load_conversations(cfg.data, "heldout"),
+    eval_ids = tokenize_until(tokenizer, load_conversations(recorded("data", cfg.data), "heldout"),
                               cfg.training.eval_tokens, "tokenize held-out")
     with torch.no_grad():      # the same sums, without keeping an autograd graph
         loss = evaluate(model, eval_ids, cfg.training.seq_len, autocast=False)

@@ -16,9 +16,11 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
+import config
 import infra
 
 infra.configure_environment()  # offline hubs, caches in the repo: before transformers loads below
+config.register()              # the schemas conf/build_verifier.yaml is merged onto
 
 import hydra  # noqa: E402
 import torch  # noqa: E402
@@ -159,6 +161,7 @@ def save_verifier(model: DeepseekV3ForCausalLM, tokenizer: PreTrainedTokenizerFa
 
 @hydra.main(version_base=None, config_path=str(infra.CONF_DIR), config_name="build_verifier")
 def main(cfg: DictConfig) -> None:
+    config.check_entry(cfg, "python -m tools.build_verifier")
     torch.manual_seed(cfg.seed)
     if cfg.training.threads:
         torch.set_num_threads(cfg.training.threads)

@@ -7,7 +7,7 @@ overrides] [plan.world_size=N] [--json FILE]` prints the per-rank memory plan (t
     python -m train train.steps=50 deepspeed=zero3       any value of conf/train.yaml
     python -m train -m train.ttt.steps=1,4               a Hydra sweep (one run per value)
     python -m train hydra.run.dir=<run> train.resume=auto  continue a killed run from its newest checkpoint
-    torchrun --standalone --nproc_per_node 2 -m train    two ranks (see train/engine.py for more)
+    torchrun --standalone --nproc_per_node 2 -m train    two ranks (see train/distributed.py for more)
 
 Exit status 2: refused before the first step: a store of another draft, or one with no training
 sample (the message names the store, its counts and the setting to change).
@@ -16,7 +16,6 @@ Exit status 3: the loss became NaN/Inf (the message names the last good checkpoi
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
@@ -25,18 +24,21 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+import config
 import infra
 
 infra.configure_environment()  # offline hubs, caches in the repo: before transformers loads
+config.register()              # the schemas conf/train.yaml is merged onto
 
 logger = logging.getLogger("train")
 
 
 @hydra.main(version_base=None, config_path=str(infra.CONF_DIR), config_name="train")
 def train_main(cfg: DictConfig) -> None:
+    config.check_entry(cfg, "python -m train")
     from store import StoreMismatchError
     from train.batches import SplitTooSmallError
-    from train.engine import NonFiniteLossError
+    from train.distributed import NonFiniteLossError
     from train.loop import fit
 
     try:
@@ -67,13 +69,13 @@ def _heldout_line(held: dict[str, float]) -> str:
 
 
 def export_main(argv: list[str]) -> int:
-    """Export a checkpoint folder (<run>/checkpoints/step-N) without a process group."""
+    """Export a checkpoint folder without a process group: from the checkpoint alone (its weights,
+    the draft config and vocabulary it carries, the verifier its marker names)."""
     import torch
-    from safetensors.torch import load_file
 
-    from model.checkpoint import draft_config_from_json, export_draft, needs_embedding
-    from train.engine import consolidated_checkpoint_state, draft_from_state, resolve_resume
-    from train.loop import DRAFT_CONFIG, EXPORT_DIR, VOCAB
+    from model.checkpoint import export_draft, needs_embedding
+    from train.export import consolidated_checkpoint_state, draft_from_state
+    from train.run_folder import EXPORT_DIR, checkpoint_draft, find_checkpoint
 
     parser = argparse.ArgumentParser(prog="python -m train export",
                                      description="Export a training checkpoint as a vLLM draft.")
@@ -81,38 +83,27 @@ def export_main(argv: list[str]) -> int:
     parser.add_argument("out", type=Path, nargs="?", help="default: <checkpoint>/draft")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--verifier", type=Path, default=None,
-                        help="the verifier folder (a Kimi-K3 export ships its embedding); default: the "
-                             "run's own, from <run>/.hydra/config.yaml")
+                        help="the verifier folder (a Kimi-K3 export ships its embedding); default: the one "
+                             "the checkpoint's complete.json names (for older checkpoints: the run's "
+                             "<run>/.hydra/config.yaml)")
     args = parser.parse_args(argv)
-    folder = resolve_resume(str(args.checkpoint), args.checkpoint)
-    run_dir = folder.parent.parent
-    cfg = draft_config_from_json(json.loads((run_dir / DRAFT_CONFIG).read_text()))
-    d2t = load_file(str(run_dir / VOCAB))["d2t"] if (run_dir / VOCAB).exists() else None
-    draft = draft_from_state(cfg, consolidated_checkpoint_state(folder), d2t)
-    verifier = args.verifier or _run_verifier(run_dir)
-    if verifier is None and needs_embedding(cfg.target_model_type):
-        print(f"python -m train export: {run_dir} names no verifier (no .hydra/config.yaml) and a "
-              f"{cfg.target_model_type} export ships the verifier's embedding: pass --verifier <folder>",
-              file=sys.stderr)
+    folder = find_checkpoint(args.checkpoint)
+    source = checkpoint_draft(folder)
+    verifier = args.verifier or source.verifier
+    if needs_embedding(source.config.target_model_type) and (verifier is None or not verifier.is_dir()):
+        known = f"names the verifier {verifier}, not on this machine" if verifier else "names no verifier"
+        print(f"python -m train export: checkpoint {folder} {known}, and a {source.config.target_model_type} "
+              "export ships the verifier's embedding: pass --verifier <folder>", file=sys.stderr)
         return 2
+    draft = draft_from_state(source.config, consolidated_checkpoint_state(folder), source.d2t)
     out = export_draft(draft, args.out or folder / EXPORT_DIR, getattr(torch, args.dtype), verifier_dir=verifier)
     print(f"exported {folder} -> {out}")
     return 0
 
 
-def _run_verifier(run_dir: Path) -> Path | None:
-    """The verifier folder a run was trained against, from the config Hydra saved in it."""
-    from omegaconf import OmegaConf
-
-    from model.verifier import verifier_dir
-
-    saved = run_dir / ".hydra" / "config.yaml"
-    return verifier_dir(OmegaConf.load(saved).verifier) if saved.exists() else None
-
-
 def verify_main(argv: list[str]) -> int:
     """Check a checkpoint folder's files against its complete.json (sizes and sha256)."""
-    from train.engine import CheckpointError, verify_checkpoint
+    from train.checkpoints import CheckpointError, verify_checkpoint
 
     parser = argparse.ArgumentParser(prog="python -m train verify-checkpoint",
                                      description="Verify a training checkpoint's files.")

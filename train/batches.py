@@ -1,32 +1,8 @@
 """Packed training rows from the dump's store, read through the store package's StoreReader only.
 
-A row concatenates whole samples (each cut to `max_len` tokens) up to `max_len` tokens:
-
-    input_ids       [L] int64
-    loss_mask       [L] bool      1 iff the token was written by the assistant (as stored)
-    aux             [L, n_aux*H]  bf16, the aux layers concatenated in aux_layer_ids order
-    final           [L, H]        bf16, the verifier's post-norm final hidden state
-    position_ids    [L] int64     restart at 0 in every sample
-    segment_ids     [L] int64     0, 1, ... one id per sample of the row
-
-or, from a store that keeps the verifier's top-k next-token distribution instead of its final
-state (Sample.final None), in place of `final`:
-
-    target_ids      [L, k] int64    the verifier's k most likely next tokens after each position,
-                                    most likely first, target vocabulary ids; -1 on rows not stored
-    target_logprobs [L, k] float32  their log-probabilities (full-vocabulary softmax, temperature
-                                    1); -inf on rows not stored
-
-A store's samples are all one kind, so a row and a micro-batch are too (train/objective.py picks
-its loss by the key). Only rows the loss reads are stored (row j iff loss_mask[j + 1]).
-
-A micro-batch stacks rows, padded at the end to its longest: padding has segment id -1 (no
-sample uses it, so attention never mixes it with a sample), loss_mask False, and target ids -1
-with log-probabilities -inf (never read: no counted position points at them).
-
-With `last_turn_only` (train.loss.last_turn_only) a sample's loss_mask keeps only its last
-contiguous run of assistant tokens, the last assistant turn, found on the whole stored sample
-before it is cut to max_len (a cut that drops the last turn leaves the sample without loss).
+Each row packs whole samples as model/batch.py's pack_row does (its docstring gives the row's
+fields, the padding of a micro-batch and `last_turn_only`, train.loss.last_turn_only); only rows
+the loss reads are stored (row j iff loss_mask[j + 1]).
 
 Order. The training rows form an endless stream: epoch e shuffles the training samples with
 (seed, e) and packs them next-fit, in that order, into rows. Optimizer step s takes the rows
@@ -62,51 +38,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from data.conversations import is_held_out, sharegpt_split_key
 from data.packing import pack_next_fit
-from model.aux_ids import to_vllm_aux_ids
-from model.draft import DraftConfig
-from store import LEGACY_AUX_CAPTURE, Sample, SampleRef, StoreMismatchError, StoreReader, verifier_identity
-
-Batch = dict[str, Tensor]
-PAD_SEGMENT = -1
-# What a sample is trained towards: its final states [T, H], or its top-k targets
-# (target_ids [T, k], target_logprobs [T, k]).
-Targets = Tensor | tuple[Tensor, Tensor]
-RowSample = tuple[Tensor, Tensor, Tensor, Targets]          # (input_ids, loss_mask, aux, targets)
-
-
-# ---- the store against the draft ---------------------------------------------------------
-def check_store(reader: StoreReader, draft: DraftConfig, verifier_dir: Path,
-                aux_capture: str = LEGACY_AUX_CAPTURE) -> None:
-    """Refuse a store the draft cannot learn from, before any compute: another verifier (config or
-    tokenizer hash, vs the verifier folder the draft config points to), hidden size, vocabulary,
-    aux layers (compared in the vLLM convention) or what the aux states are (`aux_capture`: the
-    draft conf's, which serving will feed it; DraftConfig does not carry it)."""
-    store = reader.identity
-    here = verifier_identity(verifier_dir, str(store.get("name")))
-    problems = [f"verifier {key}: store has {store.get(key)!r}, {verifier_dir} has {here[key]!r}"
-                for key in ("config_sha256", "tokenizer_sha256", "num_hidden_layers")
-                if store.get(key) != here[key]]
-    if reader.hidden_size != draft.target_hidden_size:
-        problems.append(f"hidden size: store has {reader.hidden_size}, the draft expects "
-                        f"{draft.target_hidden_size}")
-    if int(store["vocab_size"]) != draft.vocab_size:
-        problems.append(f"vocabulary: store has {store['vocab_size']} tokens, the draft expects "
-                        f"{draft.vocab_size}")
-    try:
-        store_aux = to_vllm_aux_ids(reader.aux_layer_ids, reader.aux_convention,
-                                    int(store["num_hidden_layers"]))
-    except ValueError as error:
-        store_aux = f"unreadable ({error})"
-    if store_aux != list(draft.aux_layer_ids):
-        problems.append(f"aux layer ids (vLLM convention): store has {store_aux}, the draft "
-                        f"expects {list(draft.aux_layer_ids)}")
-    if reader.aux_capture != aux_capture:
-        problems.append(f"aux capture: store has {reader.aux_capture} states, the draft is "
-                        f"trained for {aux_capture} (the mode it is served with)")
-    if problems:
-        raise StoreMismatchError(f"store {reader.path} does not match the draft config (verifier "
-                                 f"{verifier_dir}): " + "; ".join(problems)
-                                 + ". Dump a store with this verifier, or point `store_dir=` at one.")
+from model.batch import Batch, RowSample, collate_rows, pack_row
+from store import Sample, SampleRef, StoreReader
 
 
 # ---- split -------------------------------------------------------------------------------
@@ -191,94 +124,16 @@ class PackedRows(Dataset):
         return self.__dict__ | {"_reader": None}
 
 
-def last_turn_mask(loss_mask: Tensor) -> Tensor:
-    """loss_mask [T] with only its last contiguous run of True kept (the last assistant turn)."""
-    mask = loss_mask.bool()
-    kept = torch.zeros_like(mask)
-    marked = mask.nonzero()
-    if len(marked) == 0:
-        return kept
-    end = int(marked[-1]) + 1
-    gaps = (~mask[:end]).nonzero()
-    start = int(gaps[-1]) + 1 if len(gaps) else 0
-    kept[start:end] = True
-    return kept
-
-
 def row_sample(sample: Sample) -> RowSample:
     """A store sample (store.Sample) as pack_row takes it: its final states, or its top-k targets
     when the store keeps those instead (final None)."""
     if sample.final is not None:
-        return sample.input_ids, sample.loss_mask, sample.aux, sample.final
+        return RowSample(sample.input_ids, sample.loss_mask, sample.aux, sample.final)
     target_ids = getattr(sample, "target_ids", None)
     target_logprobs = getattr(sample, "target_logprobs", None)
     if target_ids is None or target_logprobs is None:
         raise ValueError(f"sample {sample.sample_id!r} has neither final states nor top-k targets")
-    return sample.input_ids, sample.loss_mask, sample.aux, (target_ids, target_logprobs)
-
-
-def _is_topk(targets: Targets) -> bool:
-    return isinstance(targets, tuple)
-
-
-def pack_row(samples: Sequence[RowSample], max_len: int, last_turn_only: bool = False) -> Batch:
-    """(input_ids [T], loss_mask [T], aux [T, n_aux, H], targets) per sample -> one row; targets
-    is final [T, H] or (target_ids [T, k], target_logprobs [T, k]), the same kind for all."""
-    topk = bool(samples) and _is_topk(samples[0][3])
-    if any(_is_topk(s[3]) != topk for s in samples):
-        raise ValueError("a row mixes samples with final states and samples with top-k targets")
-    target_keys = ("target_ids", "target_logprobs") if topk else ("final",)
-    parts: dict[str, list[Tensor]] = {k: [] for k in ("input_ids", "loss_mask", "aux", *target_keys,
-                                                      "position_ids", "segment_ids")}
-    for seg, (ids, mask, aux, targets) in enumerate(samples):
-        T = min(len(ids), max_len)
-        if last_turn_only:  # on the whole sample: the cut must not promote an earlier turn
-            mask = last_turn_mask(mask)
-        parts["input_ids"].append(ids[:T].long())
-        parts["loss_mask"].append(mask[:T].bool())
-        parts["aux"].append(aux[:T].flatten(1))                       # [T, n_aux*H]
-        if topk:
-            parts["target_ids"].append(targets[0][:T].long())         # [T, k]
-            parts["target_logprobs"].append(targets[1][:T].float())   # [T, k]
-        else:
-            parts["final"].append(targets[:T])
-        parts["position_ids"].append(torch.arange(T))
-        parts["segment_ids"].append(torch.full((T,), seg, dtype=torch.long))
-    row = {k: torch.cat(v) for k, v in parts.items()}
-    if len(row["input_ids"]) > max_len:
-        raise ValueError(f"a packed row of {len(row['input_ids'])} tokens exceeds max_len {max_len}")
-    return row
-
-
-_PAD = {"input_ids": 0, "loss_mask": False, "aux": 0.0, "final": 0.0, "target_ids": -1,
-        "target_logprobs": float("-inf"), "position_ids": 0, "segment_ids": PAD_SEGMENT}
-
-
-def collate_rows(rows: Sequence[Batch], multiple: int = 1) -> Batch:
-    """Rows -> a micro-batch [B, L, ...], padded at the end to the longest row, rounded up to a
-    multiple of `multiple` tokens.
-
-    Why round: CPU kernels (oneDNN's bf16 matmuls, attention) build and cache a primitive per
-    shape, so a run whose every micro-batch has a new length grows its memory step after step;
-    lengths on a grid of `multiple` bound the shapes a run meets. Padding is inert: its segment
-    is PAD_SEGMENT, its mask False."""
-    L = max(len(r["input_ids"]) for r in rows)
-    L = -(-L // multiple) * multiple
-    out = {}
-    for key, fill in _PAD.items():
-        if key not in rows[0]:                # the targets the rows do not carry
-            continue
-        first = rows[0][key]
-        batch = first.new_full((len(rows), L, *first.shape[1:]), fill)
-        for b, r in enumerate(rows):
-            batch[b, :len(r[key])] = r[key]
-        out[key] = batch
-    return out
-
-
-def to_device(batch: Batch, device: torch.device) -> Batch:
-    """A micro-batch on the compute device (asynchronous from pinned memory)."""
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    return RowSample(sample.input_ids, sample.loss_mask, sample.aux, (target_ids, target_logprobs))
 
 
 def _worker_init(_: int) -> None:

@@ -19,14 +19,14 @@ from collections.abc import Iterable
 
 import torch
 
-from train.batches import to_device
-from train.engine import all_reduce_sum
+from model.batch import Batch
+from train.distributed import all_reduce_sum
 from train.metrics import step_metrics
 from train.objective import StepStats
 
 
 @torch.no_grad()
-def evaluate(engine, batches: Iterable[dict[str, torch.Tensor]], counted: Iterable[bool],
+def evaluate(engine, batches: Iterable[Batch], counted: Iterable[bool],
              steps: int) -> dict[str, float]:
     """Metrics over the held-out micro-batches of all ranks (collective: every rank runs as many
     batches; those with counted False only keep ZeRO-3's gathers in step and add nothing)."""
@@ -34,7 +34,7 @@ def evaluate(engine, batches: Iterable[dict[str, torch.Tensor]], counted: Iterab
     engine.eval()
     total = StepStats.zeros(steps, engine.device)
     for batch, keep in zip(batches, counted, strict=True):
-        stats = engine(to_device(batch, engine.device), steps).stats.stacked().to(total.device)
+        stats = engine(batch.to(engine.device), steps).stats.stacked().to(total.device)
         if keep:
             total += stats
     all_reduce_sum(total)

@@ -2,9 +2,8 @@
 
     fit(cfg, run_dir) -> summary dict (also written to <run dir>/summary.json)
 
-The run folder (Hydra's output dir; rank 0's, shared with every rank) holds metrics.jsonl,
-tensorboard/, checkpoints/, draft_config.json (+ vocab.safetensors for a pruned vocabulary), and
-draft/ (the exported vLLM checkpoint).
+The run folder (Hydra's output dir; rank 0's, shared with every rank) is a RunFolder: its layout
+(metrics, checkpoints, draft config, vocabulary, export, summary) is train/run_folder.py's.
 
 What the run cannot finish is refused before the first step (`prepare`: a store of another draft,
 a store with no training sample, batch settings below 1). A store with no held-out sample trains
@@ -30,24 +29,25 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from infra import failpoint, process_memory_bytes, resolve
-from model.card import SUMMARY, write_card
+from model.batch import Batch
+from model.card import write_card
 from model.checkpoint import draft_config_for_run, draft_config_json, export_draft, init_from_draft
 from model.draft import DraftConfig, build_draft
-from model.verifier import verifier_dir
-from model.verifier_weights import read_token_ids, read_verifier_head
+from model.compatibility import check_compatible
+from model.verifier_handle import Verifier
 from model.vocab import build_draft_vocab, count_tokens
-from train import engine as E
-from train.batches import (PackedRows, StoreSplit, check_split_sizes, check_store, iterate_token_masks,
-                           make_loader, rank_rows, store_keeps_topk, to_device)
+from train.batches import (PackedRows, StoreSplit, check_split_sizes, iterate_token_masks,
+                           make_loader, rank_rows, store_keeps_topk)
+from train.checkpoints import load_checkpoint
+from train.deepspeed_setup import initialize, precision_of, zero_stage
+from train.distributed import all_reduce_sum, broadcast_object, check_finite, init_distributed, on_rank0
+from train.export import draft_from_state, gathered_draft_state
 from train.heldout import evaluate
 from train.metrics import RunLog, step_metrics
 from train.objective import Eagle3Objective, ObjectiveConfig, StepStats
+from train.run_folder import RunFolder
 
 logger = logging.getLogger(__name__)
-
-DRAFT_CONFIG = "draft_config.json"
-VOCAB = "vocab.safetensors"
-EXPORT_DIR = "draft"
 
 
 @dataclass
@@ -56,7 +56,7 @@ class RunSetup:
 
     draft_cfg: DraftConfig
     split: StoreSplit
-    verifier: Path
+    verifier: Verifier          # read once per process: model/verifier_handle.py
     d2t: torch.Tensor | None
     total_steps: int
     rows_per_step: int
@@ -65,24 +65,22 @@ class RunSetup:
 
 def _objective_config(cfg: DictConfig, steps: int | None = None) -> ObjectiveConfig:
     loss = cfg.train.loss
-    return ObjectiveConfig(steps=int(steps or cfg.train.ttt.steps), decay=float(cfg.train.ttt.decay),
-                           chunk_bytes=int(loss.chunk_bytes), target_topk=loss.get("target_topk"),
-                           target_cache_bytes=int(loss.get("target_cache_bytes", 0)),
-                           acceptance=loss.acceptance, acceptance_weight=float(loss.acceptance_weight))
+    return ObjectiveConfig(steps=int(steps or cfg.train.ttt.steps), decay=cfg.train.ttt.decay,
+                           chunk_bytes=loss.chunk_bytes, target_topk=loss.target_topk,
+                           target_cache_bytes=loss.target_cache_bytes,
+                           acceptance=loss.acceptance, acceptance_weight=loss.acceptance_weight)
 
 
-def _pruned_vocab(cfg: DraftConfig, split: StoreSplit, run_dir: Path, verifier: Path) -> torch.Tensor:
+def _pruned_vocab(cfg: DraftConfig, split: StoreSplit, run_dir: Path, verifier: Verifier) -> torch.Tensor:
     """d2t of the draft vocabulary: the most frequent loss-masked tokens of the training split.
 
     Rank 0 counts and writes <run dir>/vocab.safetensors; a resumed run reads it back."""
-    path = run_dir / VOCAB
+    path = RunFolder(run_dir).vocab
     if dist.get_rank() == 0 and not path.exists():
         counts = torch.zeros(cfg.vocab_size, dtype=torch.long)
         for ids, mask in iterate_token_masks(split.reader, split.train):
             counts += count_tokens(ids, mask, cfg.vocab_size)
-        eos = read_token_ids(verifier)["eos_token_id"]
-        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        d2t, _ = build_draft_vocab(counts, cfg.draft_vocab_size, always_include=eos)
+        d2t, _ = build_draft_vocab(counts, cfg.draft_vocab_size, always_include=verifier.files.eos_token_ids)
         save_file({"d2t": d2t}, str(path))
     dist.barrier()
     return load_file(str(path))["d2t"]
@@ -92,11 +90,11 @@ def _check_settings(cfg: DictConfig) -> None:
     """Refuse, before any compute, settings that would stop the run at its first step or later."""
     t = cfg.train
     problems = [f"train.{key}={t[key]} (at least 1)" for key in ("micro_batch", "grad_accum", "max_len")
-                if int(t[key]) < 1]
+                if t[key] < 1]
     problems += [f"{name}={value} (0: at the end only, else every that many steps)"
                  for name, value in (("train.log_every", t.log_every), ("train.checkpoint_every", t.checkpoint_every),
                                      ("eval.every", cfg.eval.every)) if int(value or 0) < 0]
-    problems += [f"train.steps={t.steps} (0 or more)"] if t.steps is not None and int(t.steps) < 0 else []
+    problems += [f"train.steps={t.steps} (0 or more)"] if t.steps is not None and t.steps < 0 else []
     if problems:
         raise ValueError("cannot train with " + "; ".join(problems))
 
@@ -108,49 +106,52 @@ def _due(every: int | None, done: int, total: int) -> bool:
 
 
 def prepare(cfg: DictConfig, run_dir: Path, world_size: int) -> RunSetup:
-    verifier = verifier_dir(cfg.verifier)
+    verifier = Verifier.from_conf(cfg.verifier)
     # With train.init_from the draft takes the folder's switches where cfg.draft leaves them null
     # (also when resuming: the run was built so).
-    init_from = cfg.train.get("init_from")
+    init_from = cfg.train.init_from
     draft_cfg = draft_config_for_run(cfg.draft, verifier, resolve(init_from) if init_from else None)
-    split = StoreSplit.open(resolve(cfg.store_dir), float(cfg.eval.heldout_fraction), int(cfg.eval.heldout_seed))
-    split = split.with_train_fraction(float(cfg.train.get("train_fraction", 1.0)))
-    check_store(split.reader, draft_cfg, verifier, aux_capture=str(cfg.draft.aux_capture))  # before any compute
+    split = StoreSplit.open(resolve(cfg.store_dir), cfg.eval.heldout_fraction, cfg.eval.heldout_seed)
+    split = split.with_train_fraction(cfg.train.train_fraction)
+    # Before any compute: the store, the draft and the verifier folder, every disagreement at once.
+    check_compatible(verifier=verifier, draft=draft_cfg, store=split.reader, aux_capture=cfg.draft.aux_capture)
     t = cfg.train
     _check_settings(cfg)
-    rows_per_step = int(t.micro_batch) * int(t.grad_accum) * world_size
-    sizes = split.sizes(int(t.max_len), int(cfg.seed), rows_per_step, world_size)
-    for warning in check_split_sizes(sizes, float(cfg.eval.heldout_fraction), int(t.max_len)):
+    rows_per_step = t.micro_batch * t.grad_accum * world_size
+    sizes = split.sizes(t.max_len, cfg.seed, rows_per_step, world_size)
+    for warning in check_split_sizes(sizes, cfg.eval.heldout_fraction, t.max_len):
         if dist.get_rank() == 0:
             logger.warning("%s", warning)
     if t.steps is not None:
-        total = int(t.steps)
+        total = t.steps
     else:
-        total = math.ceil(float(t.epochs) * sizes.epoch_rows / rows_per_step)
+        total = math.ceil(t.epochs * sizes.epoch_rows / rows_per_step)
     d2t = _pruned_vocab(draft_cfg, split, run_dir, verifier) if draft_cfg.pruned else None
     if dist.get_rank() == 0:
-        (run_dir / DRAFT_CONFIG).write_text(json.dumps(draft_config_json(draft_cfg), indent=2) + "\n")
+        RunFolder(run_dir).draft_config.write_text(json.dumps(draft_config_json(draft_cfg), indent=2) + "\n")
     return RunSetup(draft_cfg, split, verifier, d2t, total, rows_per_step, store_keeps_topk(split.reader))
 
 
 def build_objective(setup: RunSetup, cfg: DictConfig, resuming: bool = False) -> Eagle3Objective:
-    torch.manual_seed(int(cfg.seed))                          # same initial draft on every rank
+    torch.manual_seed(cfg.seed)                          # same initial draft on every rank
     draft = build_draft(setup.draft_cfg)
     if setup.d2t is not None:
         draft.set_vocab(setup.d2t)
     draft.load_verifier_head(setup.verifier)
-    init_from = cfg.train.get("init_from")
+    init_from = cfg.train.init_from
     if init_from and resuming:
         logger.info("train.init_from=%s ignored: the run resumes from its own checkpoint", init_from)
     elif init_from:
         init_from_draft(draft, resolve(init_from))            # refuses a folder that is another draft
         logger.info("draft initialised from %s", resolve(init_from))
-    # [V, H]; a top-k store's loss never reads it, so it is not loaded (4.7 GB fp32 for Kimi).
-    target_head = None if setup.topk else read_verifier_head(setup.verifier, torch.float32).lm_head
+    # [V, H], converted from the lm_head the draft copied; a top-k store's loss never reads it, so
+    # it is not made (4.7 GB fp32 for Kimi).
+    target_head = None if setup.topk else setup.verifier.lm_head(torch.float32)
+    setup.verifier.release_tensors()                          # the draft and the objective hold copies
     return Eagle3Objective(draft, target_head, _objective_config(cfg))
 
 
-def train_step(engine, batches: Iterator[dict[str, torch.Tensor]], grad_accum: int, steps: int,
+def train_step(engine, batches: Iterator[Batch], grad_accum: int, steps: int,
                step: int, last_checkpoint: Path | None) -> tuple[torch.Tensor, float, float]:
     """One optimizer step over grad_accum micro-batches: (stats [4, K] summed over ranks,
     mean micro-batch loss over ranks, tokens of all ranks). Stops on a non-finite loss."""
@@ -158,25 +159,25 @@ def train_step(engine, batches: Iterator[dict[str, torch.Tensor]], grad_accum: i
     stats = StepStats.zeros(steps, device)
     sums = torch.zeros(2, dtype=torch.float64, device=device)          # loss, tokens
     for _ in range(grad_accum):
-        batch = to_device(next(batches), device)
+        batch = next(batches).to(device)
         out = engine(batch)
-        E.check_finite(out.loss.detach(), step, last_checkpoint)
+        check_finite(out.loss.detach(), step, last_checkpoint)
         engine.backward(out.loss)
         engine.step()                                                   # optimizer only on the last
         stats += out.stats.stacked().to(device)
-        sums += torch.stack((out.loss.detach().double(), (batch["segment_ids"] >= 0).sum().double()))
-    E.all_reduce_sum(stats)
-    E.all_reduce_sum(sums)
+        sums += torch.stack((out.loss.detach().double(), batch.tokens().double()))
+    all_reduce_sum(stats)
+    all_reduce_sum(sums)
     return stats, sums[0].item() / (grad_accum * dist.get_world_size()), sums[1].item()
 
 
 def run_evaluation(engine, setup: RunSetup, cfg: DictConfig, rank: int, world: int) -> dict[str, float]:
-    plan = setup.split.eval_rows(int(cfg.train.max_len), rank, world)
-    rows = PackedRows(setup.split.path, setup.split.heldout, [r for r, _ in plan], int(cfg.train.max_len),
-                      bool(cfg.train.loss.last_turn_only))
-    loader = make_loader(rows, 1, int(cfg.train.num_workers), int(cfg.train.prefetch_factor),
-                         int(cfg.train.pad_multiple))
-    return evaluate(engine, loader, [c for _, c in plan], int(cfg.eval.ttt_steps))
+    plan = setup.split.eval_rows(cfg.train.max_len, rank, world)
+    rows = PackedRows(setup.split.path, setup.split.heldout, [r for r, _ in plan], cfg.train.max_len,
+                      cfg.train.loss.last_turn_only)
+    loader = make_loader(rows, 1, cfg.train.num_workers, cfg.train.prefetch_factor,
+                         cfg.train.pad_multiple)
+    return evaluate(engine, loader, [c for _, c in plan], cfg.eval.ttt_steps)
 
 
 def evaluate_and_log(engine, setup: RunSetup, cfg: DictConfig, rank: int, world: int, log: RunLog,
@@ -185,18 +186,18 @@ def evaluate_and_log(engine, setup: RunSetup, cfg: DictConfig, rank: int, world:
     heldout = run_evaluation(engine, setup, cfg, rank, world)
     log.write("heldout", step, heldout)
     if rank == 0:
-        accs = ", ".join(f"{heldout[f'acc_{k}']:.3f}" for k in range(int(cfg.eval.ttt_steps)))
+        accs = ", ".join(f"{heldout[f'acc_{k}']:.3f}" for k in range(cfg.eval.ttt_steps))
         bar.write(f"step {step}: held-out accept length {heldout['accept_length']:.3f} (top-1 {accs})")
     return heldout
 
 
-def export_run(engine, setup: RunSetup, run_dir: Path, dtype: torch.dtype) -> str | None:
-    """<run dir>/draft through model.checkpoint.export_draft (rank 0; a collective under ZeRO-3)."""
-    state = E.gathered_draft_state(engine)
+def export_run(engine, setup: RunSetup, run: RunFolder, dtype: torch.dtype) -> str | None:
+    """The run's draft folder through model.checkpoint.export_draft (rank 0; a collective under ZeRO-3)."""
+    state = gathered_draft_state(engine)
     out = None
     if dist.get_rank() == 0:
-        draft = E.draft_from_state(setup.draft_cfg, state, setup.d2t)
-        out = str(export_draft(draft, run_dir / EXPORT_DIR, dtype, verifier_dir=setup.verifier))
+        draft = draft_from_state(setup.draft_cfg, state, setup.d2t)
+        out = str(export_draft(draft, run.export_dir, dtype, verifier_dir=setup.verifier))
     dist.barrier()
     return out
 
@@ -204,28 +205,27 @@ def export_run(engine, setup: RunSetup, run_dir: Path, dtype: torch.dtype) -> st
 def fit(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Train (or resume) one run into run_dir; returns the summary."""
     if cfg.train.threads:
-        torch.set_num_threads(int(cfg.train.threads))
-    rank, world = E.init_distributed()
-    run_dir = Path(E.broadcast_object(str(Path(run_dir).resolve())))    # rank 0's folder for all
-    run_dir.mkdir(parents=True, exist_ok=True)
-    setup = prepare(cfg, run_dir, world)
-    t, K, accum = cfg.train, int(cfg.train.ttt.steps), int(cfg.train.grad_accum)
-    ckpt_root = run_dir / E.CHECKPOINTS
-    resume_from = E.on_rank0(lambda: E.resolve_resume(t.resume, ckpt_root))
-    engine = E.initialize(build_objective(setup, cfg, resuming=resume_from is not None), cfg, setup.total_steps)
-    start = E.load_checkpoint(engine, resume_from) if resume_from else 0
+        torch.set_num_threads(cfg.train.threads)
+    rank, world = init_distributed()
+    run = RunFolder(Path(broadcast_object(str(Path(run_dir).resolve()))))    # rank 0's folder for all
+    run.root.mkdir(parents=True, exist_ok=True)
+    setup = prepare(cfg, run.root, world)
+    t, K, accum = cfg.train, cfg.train.ttt.steps, cfg.train.grad_accum
+    resume_from = on_rank0(lambda: run.resolve_resume(t.resume))
+    engine = initialize(build_objective(setup, cfg, resuming=resume_from is not None), cfg, setup.total_steps)
+    start = load_checkpoint(engine, resume_from) if resume_from else 0
     if resume_from:
         logger.info("resumed from %s at step %d", resume_from, start)
     last_ckpt = resume_from
-    log = RunLog(run_dir, rank == 0, start)
+    log = RunLog(run.metrics, run.tensorboard, rank == 0, start)
 
-    stream = setup.split.train_stream(int(t.max_len), int(cfg.seed))
-    plan = rank_rows(stream, start, setup.total_steps, int(t.micro_batch), accum, rank, world)
-    rows = PackedRows(setup.split.path, setup.split.train, [r for _, r in plan], int(t.max_len),
-                      bool(t.loss.last_turn_only))
-    batches = iter(make_loader(rows, int(t.micro_batch), int(t.num_workers), int(t.prefetch_factor),
-                               int(t.pad_multiple)))
-    rows_per_rank_step = accum * int(t.micro_batch)
+    stream = setup.split.train_stream(t.max_len, cfg.seed)
+    plan = rank_rows(stream, start, setup.total_steps, t.micro_batch, accum, rank, world)
+    rows = PackedRows(setup.split.path, setup.split.train, [r for _, r in plan], t.max_len,
+                      t.loss.last_turn_only)
+    batches = iter(make_loader(rows, t.micro_batch, t.num_workers, t.prefetch_factor,
+                               t.pad_multiple))
+    rows_per_rank_step = accum * t.micro_batch
     bar = tqdm(total=setup.total_steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
                disable=rank != 0)
     heldout: dict[str, float] = {}
@@ -252,26 +252,26 @@ def fit(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             failpoint("train.step.done")
             bar.set_postfix(loss=f"{loss:.3f}", acc0=f"{record['acc_0']:.3f}", tok_s=f"{tokens / elapsed:.0f}")
             if _due(t.checkpoint_every, done, setup.total_steps):
-                last_ckpt = E.save_checkpoint(engine, ckpt_root, done, int(t.keep_checkpoints), {"loss": loss})
+                last_ckpt = run.save_checkpoint(engine, done, t.keep_checkpoints, {"loss": loss}, setup.verifier.path)
             if evaluating and done < setup.total_steps and _due(cfg.eval.every, done, setup.total_steps):
                 heldout = evaluate_and_log(engine, setup, cfg, rank, world, log, done, bar)
         # The final evaluation (also of a resumed run that had already finished) after the export:
         # whatever it meets, the trained draft is on disk.
-        exported = export_run(engine, setup, run_dir, getattr(torch, t.export_dtype)) if t.export else None
+        exported = export_run(engine, setup, run, getattr(torch, t.export_dtype)) if t.export else None
         if evaluating:
             heldout = evaluate_and_log(engine, setup, cfg, rank, world, log, max(start, setup.total_steps), bar)
     finally:
         bar.close()
         log.close()
-    summary = {"run_dir": str(run_dir), "rank": rank, "world_size": world, "steps": setup.total_steps,
-               "resumed_from": str(resume_from) if resume_from else None, "zero_stage": E.zero_stage(engine),
-               "precision": E.precision_of(t.precision), "train_tokens_per_s": tokens_total / time_total if time_total else None,
+    summary = {"run_dir": str(run.root), "rank": rank, "world_size": world, "steps": setup.total_steps,
+               "resumed_from": str(resume_from) if resume_from else None, "zero_stage": zero_stage(engine),
+               "precision": precision_of(t.precision), "train_tokens_per_s": tokens_total / time_total if time_total else None,
                "heldout": heldout, "exported": exported, "last_checkpoint": str(last_ckpt) if last_ckpt else None,
                "config": OmegaConf.to_container(cfg, resolve=True)}
     if rank == 0:
-        (run_dir / SUMMARY).write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        run.write_summary(summary)
         if exported:
-            write_card(Path(exported), cfg.verifier.name, str(cfg.verifier.path), int(cfg.verifier.serving_tp),
-                       int(cfg.verifier.serving_pp), summary)
+            write_card(Path(exported), cfg.verifier.name, cfg.verifier.path, cfg.verifier.serving_tp,
+                       cfg.verifier.serving_pp, summary)
     engine.destroy()
     return summary

@@ -1,4 +1,5 @@
-"""Where a run's numbers go: a JSONL log and TensorBoard scalars in the run folder (rank 0 only).
+"""Where a run's numbers go: a JSONL log and TensorBoard scalars, at the paths the run folder
+gives (train/run_folder.py: metrics.jsonl, tensorboard/), written by rank 0 only.
 
 metrics.jsonl holds one JSON object per line: {"split": "train" | "heldout", "step": s, ...}.
 A resumed run first drops the lines of steps after its checkpoint (a killed run may have logged
@@ -14,9 +15,6 @@ from typing import Any
 from torch import Tensor
 
 from train.objective import simulated_accept_length
-
-JSONL = "metrics.jsonl"
-TENSORBOARD = "tensorboard"
 
 
 def step_metrics(stats: Tensor, prefix: str = "") -> dict[str, float]:
@@ -44,9 +42,9 @@ def step_metrics(stats: Tensor, prefix: str = "") -> dict[str, float]:
 class RunLog:
     """JSONL + TensorBoard writer of rank 0; other ranks get one that does nothing."""
 
-    def __init__(self, run_dir: Path, enabled: bool, resume_step: int = 0) -> None:
+    def __init__(self, jsonl: Path, tensorboard: Path, enabled: bool, resume_step: int = 0) -> None:
         self.enabled = enabled
-        self.path = Path(run_dir) / JSONL
+        self.path = Path(jsonl)
         self._tb = None
         if not enabled:
             return
@@ -54,7 +52,7 @@ class RunLog:
             self._truncate_after(resume_step)
         from torch.utils.tensorboard import SummaryWriter
 
-        self._tb = SummaryWriter(str(Path(run_dir) / TENSORBOARD), purge_step=resume_step + 1)
+        self._tb = SummaryWriter(str(tensorboard), purge_step=resume_step + 1)
 
     def _truncate_after(self, step: int) -> None:
         kept = [line for line in self.path.read_text().splitlines()

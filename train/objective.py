@@ -16,7 +16,7 @@ predicts (x_{t+2+k}) was written by the assistant. So the loss covers every assi
 from the first of a turn to its closing <|im_end|>, and never the prediction of the next turn's
 header. (Public trainers index the mask two positions earlier, l[t], which drops the first two
 tokens of every answer and counts two past its end; the shift is tested on a hand-built row.)
-Ids, mask and target shift by one more per step and never cross into the next packed sample.
+Ids, mask and target shift by one more per step and never cross into the next packed sample (model/chain.py runs the chain).
 
 Metrics per step k: soft cross-entropy, and top-1 agreement acc_k (draft argmax == verifier
 argmax) over step k's counted positions. Position t of step k is the k-th draft of the chain that
@@ -40,7 +40,7 @@ then p_j, constant in z); -log alpha divides it by alpha. Both need the whole p,
 refused with top-k targets. The loss and loss_sum then hold CE + term, what is optimised.
 
 Loss from top-k targets. A store may keep, instead of F, the verifier's k most likely next
-tokens and their log-probabilities (batch keys target_ids, target_logprobs; train/batches.py),
+tokens and their log-probabilities (Batch fields target_ids, target_logprobs; model/batch.py),
 read at the same row t+1+k. The target is then known on its top-k only, so step k's loss is the
 cross-entropy between the (k+1)-bucket coarsenings of target and draft, the buckets being each
 token of S (the top-k ids the draft vocabulary has) and "any other token":
@@ -78,14 +78,15 @@ ChunkedTopKCE with [chunk, Vd] blocks only: no verifier logits).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-from model.draft import Eagle3Draft, StepOutput
+from model.batch import Batch
+from model.chain import draft_chain, read_rows
+from model.draft import Eagle3Draft
 from model.vocab import target_ids_of
 
 ACCEPTANCE_KINDS = ("tv", "lk")
@@ -151,34 +152,14 @@ class ObjectiveOutput(NamedTuple):
     stats: StepStats
 
 
-# ---- alignment -----------------------------------------------------------------------------
-def shift_in_sample(x: Tensor, segment_ids: Tensor, shift: int, fill: float | int | bool) -> Tensor:
-    """[B, T] -> [B, T]: out[b, t] = x[b, t + shift] when t + shift < T lies in the same sample
-    (segment) as t, else `fill`."""
-    out = torch.full_like(x, fill)
-    T = x.shape[1]
-    if shift < T:
-        same = segment_ids[:, shift:] == segment_ids[:, :T - shift]
-        out[:, :T - shift] = torch.where(same, x[:, shift:], out[:, :T - shift])
-    return out
-
-
-def step_inputs(batch: dict[str, Tensor], k: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Step k's (input ids [B, T], positions [B, T], counted [B, T] bool) of a micro-batch."""
-    seg = batch["segment_ids"]
-    ids = shift_in_sample(batch["input_ids"], seg, 1 + k, 0)
-    counted = shift_in_sample(batch["loss_mask"], seg, 2 + k, False) & (seg >= 0)
-    return ids, batch["position_ids"] + k, counted
-
-
-def topk_targets(batch: dict[str, Tensor], target_head: Tensor, k: int, chunk_bytes: int
-                 ) -> dict[str, Tensor]:
-    """target_ids [B, T, k] (-1 on unread rows) and target_logprobs [B, T, k] (-inf there) of a
-    final-state batch: the verifier's top-k on every row some TTT step reads, row r of a sample
-    whose next token r+1 is in the loss mask (step_inputs counts t iff loss_mask[t+2+k], reading row
-    t+1+k). Shapes and fills are those of a top-k store's batches."""
-    seg = batch["segment_ids"]
-    rows = shift_in_sample(batch["loss_mask"], seg, 1, False) & (seg >= 0)        # [B, T]
+# ---- top-k targets from final states ------------------------------------------------------
+def topk_targets(batch: Batch, target_head: Tensor, k: int, chunk_bytes: int) -> Batch:
+    """A final-state batch trained towards the verifier's top-k instead: target_ids [B, T, k] (-1
+    on unread rows) and target_logprobs [B, T, k] (-inf there) on every row some TTT step reads,
+    row r of a sample whose next token r+1 is in the loss mask (model/chain.py's step_inputs counts
+    t iff loss_mask[t+2+k], reading row t+1+k). Shapes and fills are those of a top-k store's
+    batches."""
+    rows = read_rows(batch)                                                     # [B, T]
     b, t = rows.nonzero(as_tuple=True)
     B, T = rows.shape
     ids = torch.full((B, T, k), -1, dtype=torch.int64, device=rows.device)
@@ -188,22 +169,8 @@ def topk_targets(batch: dict[str, Tensor], target_head: Tensor, k: int, chunk_by
         # crc32c), which a step on final states never needs (bench/gpu_train.py runs without it).
         from store.encoding import verifier_topk
 
-        ids[b, t], logprobs[b, t] = verifier_topk(batch["final"][b, t], target_head, k, chunk_bytes // 4)
-    return {"target_ids": ids, "target_logprobs": logprobs}
-
-
-def draft_chain(draft: Eagle3Draft, batch: dict[str, Tensor], steps: int
-                ) -> Iterator[tuple[int, StepOutput, Tensor]]:
-    """The draft's TTT chain over a micro-batch, as training and the accept-length simulation both
-    run it: (k, step k's output, counted [B, T] bool) for k < steps, each step reading the previous
-    step's hidden states and attention cache."""
-    hidden = draft.project_aux(batch["aux"].to(draft.fc.weight.dtype))   # [B, T, H]
-    cache = None
-    for k in range(steps):
-        ids, positions, counted = step_inputs(batch, k)
-        out = draft.step(ids, hidden, positions, cache, batch["segment_ids"], with_logits=False)
-        yield k, out, counted
-        hidden, cache = out.hidden, out.cache
+        ids[b, t], logprobs[b, t] = verifier_topk(batch.final[b, t], target_head, k, chunk_bytes // 4)
+    return batch.with_topk(ids, logprobs)
 
 
 # ---- chunked soft cross-entropy -------------------------------------------------------------
@@ -576,40 +543,38 @@ class Eagle3Objective(nn.Module):
                 if buffer is not None and buffer.is_floating_point():
                     module._buffers[name] = buffer.to(dtype)
 
-    def _target_cache(self, batch: dict[str, Tensor], final: Tensor, keep: Tensor | None) -> TargetCache | None:
+    def _target_cache(self, batch: Batch, final: Tensor, keep: Tensor | None) -> TargetCache | None:
         """The micro-batch's TargetCache when its [rows, Vd] fp32 fit target_cache_bytes, else None
         (the loss then recomputes the verifier's logits per step, in [chunk, V] blocks)."""
         if final.is_meta:                       # train/plan.py: the uncached loss is the bound
             return None
-        seg = batch["segment_ids"]
-        read = shift_in_sample(batch["loss_mask"], seg, 1, False) & (seg >= 0)    # row r: token r+1 counted
+        read = read_rows(batch)                                             # row r: token r+1 counted
         draft_vocab = self.draft.lm_head.weight.shape[0]
         if int(read.sum()) * draft_vocab * 4 > self.cfg.target_cache_bytes:
             return None
         with torch.no_grad():
             return build_target_cache(final, read, self.target_head, keep, draft_vocab, self.chunk)
 
-    def forward(self, batch: dict[str, Tensor], steps: int | None = None) -> ObjectiveOutput:
+    def forward(self, batch: Batch, steps: int | None = None) -> ObjectiveOutput:
         steps = steps or self.cfg.steps
         draft = self.draft
         dtype = draft.fc.weight.dtype
         keep = None if draft.d2t is None else target_ids_of(draft.d2t)
-        topk = "final" not in batch                                          # top-k targets instead
+        topk = batch.topk                                                    # top-k targets instead
         if topk and self.cfg.acceptance is not None:
             raise ValueError(_no_acceptance_on_topk(self.cfg.acceptance))
         # Passed only when set: without it the dense loss runs exactly as it always has.
         accept = ({} if self.cfg.acceptance is None else
                   {"acceptance": self.cfg.acceptance, "acceptance_weight": self.cfg.acceptance_weight})
         if not topk and self.cfg.target_topk and self.target_head is not None:
-            batch = {**batch, **topk_targets(batch, self.target_head, self.cfg.target_topk, self.cfg.chunk_bytes)}
-            del batch["final"]
+            batch = topk_targets(batch, self.target_head, self.cfg.target_topk, self.cfg.chunk_bytes)
             topk = True
         if not topk and self.target_head is None:
             raise ValueError("a batch with final states needs the verifier's lm_head: this objective "
                              "was built without one (for a store of top-k targets)")
-        final = None if topk else batch["final"].to(dtype)                  # [B, T, H]
+        final = None if topk else batch.final.to(dtype)                  # [B, T, H]
         cache = None if topk else self._target_cache(batch, final, keep)
-        device = batch["input_ids"].device
+        device = batch.input_ids.device
         loss = torch.zeros((), dtype=torch.float32, device=device)
         sums, correct, counts, chain = [], [], [], []
         alive = None              # [B, T] chains started at step 0 and still all correct
@@ -617,8 +582,8 @@ class Eagle3Objective(nn.Module):
             b, t = counted.nonzero(as_tuple=True)                           # counted positions
             if topk:                                                        # rows t+1+k: [n, k_top]
                 loss_sum, agree = topk_cross_entropy(out.normed[b, t], draft.lm_head.weight,
-                                                     batch["target_ids"][b, t + 1 + k],
-                                                     batch["target_logprobs"][b, t + 1 + k], keep, self.chunk)
+                                                     batch.target_ids[b, t + 1 + k],
+                                                     batch.target_logprobs[b, t + 1 + k], keep, self.chunk)
             elif cache is not None:                                         # rows t+1+k from the cache
                 loss_sum, agree = soft_cross_entropy(out.normed[b, t], draft.lm_head.weight, None,
                                                      self.target_head, keep, self.chunk, cache,

@@ -59,22 +59,22 @@ import sys
 import weakref
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.fx.experimental._config  # noqa: F401  (meta nonzero switch used in measure_step)
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from model.batch import Batch
 from model.draft import DraftConfig, build_draft
-from train.engine import precision_of
+from train.deepspeed_setup import precision_of
 from train.objective import Eagle3Objective, ObjectiveConfig, _Blocks
 
-DEFAULT_WORLD_SIZE = 8
 GIB = 1024**3
 # DeepSpeed's defaults where a conf/deepspeed file leaves the key out.
 DS_REDUCE_BUCKET = 500_000_000
@@ -137,14 +137,14 @@ def _drop_grad(p: Tensor) -> None:
     p.grad = None
 
 
-def measure_step(objective: Eagle3Objective, batch: dict[str, Tensor], steps: int | None = None) -> StepMemory:
+def measure_step(objective: Eagle3Objective, batch: Batch, steps: int | None = None) -> StepMemory:
     """One training micro-step (objective forward, backward) with its memory accounted for.
 
     Runs on any device: on meta it costs neither memory nor compute (the loss then counts every
     position: torch's meta nonzero assumes all elements set). Weights, buffers and the batch exist
     before and are not the step's; parameter gradients are dropped as soon as they are accumulated
     (they are the gradients row)."""
-    owned = {_storage_key(t) for t in (*objective.parameters(), *objective.buffers(), *batch.values())}
+    owned = {_storage_key(t) for t in (*objective.parameters(), *objective.buffers(), *batch.tensors().values())}
     saved: dict[int, int] = {}
     shapes: Counter[tuple[tuple[int, ...], torch.dtype]] = Counter()
 
@@ -185,14 +185,14 @@ def meta_objective(draft_cfg: DraftConfig, objective_cfg: ObjectiveConfig, dtype
 
 
 def meta_batch(draft_cfg: DraftConfig, rows: int, max_len: int, device: torch.device | str = "meta"
-               ) -> dict[str, Tensor]:
-    """A micro-batch of `rows` full rows of max_len tokens (train/batches.py's keys and dtypes)."""
+               ) -> Batch:
+    """A micro-batch of `rows` full rows of max_len tokens (model/batch.py's fields and dtypes)."""
     B, T, H = rows, max_len, draft_cfg.target_hidden_size
     long = dict(dtype=torch.long, device=device)
-    return {"input_ids": torch.zeros(B, T, **long), "loss_mask": torch.ones(B, T, dtype=torch.bool, device=device),
-            "aux": torch.zeros(B, T, draft_cfg.num_aux * H, dtype=torch.bfloat16, device=device),
-            "final": torch.zeros(B, T, H, dtype=torch.bfloat16, device=device),
-            "position_ids": torch.zeros(B, T, **long), "segment_ids": torch.zeros(B, T, **long)}
+    return Batch(input_ids=torch.zeros(B, T, **long), loss_mask=torch.ones(B, T, dtype=torch.bool, device=device),
+                 aux=torch.zeros(B, T, draft_cfg.num_aux * H, dtype=torch.bfloat16, device=device),
+                 position_ids=torch.zeros(B, T, **long), segment_ids=torch.zeros(B, T, **long),
+                 final=torch.zeros(B, T, H, dtype=torch.bfloat16, device=device))
 
 
 def loss_chunk_bytes(draft_cfg: DraftConfig, objective_cfg: ObjectiveConfig, tokens: int, dtype: torch.dtype) -> int:
@@ -230,15 +230,17 @@ class PlanSpec:
 
 def spec_from_cfg(cfg: DictConfig, world_size: int) -> PlanSpec:
     """The plan's inputs from a composed conf/train.yaml (its deepspeed group gives the stage)."""
-    t, zero = cfg.train, cfg.deepspeed.zero_optimization
+    t = cfg.train
+    # DeepSpeed's own table, as written: a key it leaves out takes DeepSpeed's default.
+    zero = OmegaConf.to_container(cfg.deepspeed.zero_optimization, resolve=True)
     # A plan sizes GPU runs: auto is what it resolves to on an accelerator.
-    return PlanSpec(world_size=world_size, zero_stage=int(zero.stage), max_len=int(t.max_len),
-                    micro_batch=int(t.micro_batch), precision=precision_of(str(t.precision), "cuda"), ttt_steps=int(t.ttt.steps),
-                    ttt_decay=float(t.ttt.decay), chunk_bytes=int(t.loss.chunk_bytes),
-                    reduce_bucket_size=int(zero.get("reduce_bucket_size", DS_REDUCE_BUCKET)),
-                    prefetch_bucket_size=int(zero.get("stage3_prefetch_bucket_size", DS_PREFETCH_BUCKET)),
-                    param_persistence_threshold=int(zero.get("stage3_param_persistence_threshold",
-                                                             DS_PERSISTENCE_THRESHOLD)))
+    return PlanSpec(world_size=world_size, zero_stage=zero["stage"], max_len=t.max_len,
+                    micro_batch=t.micro_batch, precision=precision_of(t.precision, "cuda"), ttt_steps=t.ttt.steps,
+                    ttt_decay=t.ttt.decay, chunk_bytes=t.loss.chunk_bytes,
+                    reduce_bucket_size=zero.get("reduce_bucket_size", DS_REDUCE_BUCKET),
+                    prefetch_bucket_size=zero.get("stage3_prefetch_bucket_size", DS_PREFETCH_BUCKET),
+                    param_persistence_threshold=zero.get("stage3_param_persistence_threshold",
+                                                         DS_PERSISTENCE_THRESHOLD))
 
 
 @dataclass
@@ -318,7 +320,7 @@ def memory_plan(draft_cfg: DraftConfig, spec: PlanSpec, name: str = "") -> Memor
     frozen_bytes = (sum(b.untyped_storage().nbytes() for b in objective.buffers())
                     + sum(t.untyped_storage().nbytes() for t in frozen))
     batch = meta_batch(draft_cfg, spec.micro_batch, spec.max_len)
-    batch_bytes = sum(t.untyped_storage().nbytes() for t in batch.values())
+    batch_bytes = sum(t.untyped_storage().nbytes() for t in batch.tensors().values())
     step = measure_step(objective, batch, spec.ttt_steps)
     tokens = spec.micro_batch * spec.max_len
     chunk_tokens = min(spec.objective_config().chunk_tokens(draft_cfg.draft_vocab_size), tokens)
@@ -349,42 +351,36 @@ def memory_plan(draft_cfg: DraftConfig, spec: PlanSpec, name: str = "") -> Memor
 
 
 # ---- command line ------------------------------------------------------------------------------
-PLAN_KEYS = {"world_size": int, "json": str}
+def plan_config(overrides: list[str]) -> DictConfig:
+    """conf/plan.yaml (conf/train.yaml plus `plan.world_size`, `plan.json`) with these overrides; a
+    mistyped plan option is refused naming the ones there are."""
+    from hydra.errors import ConfigCompositionException
 
+    from config import compose_config
+    from config.stages import PlanConf
 
-def split_plan_overrides(overrides: list[str]) -> tuple[list[str], dict[str, Any]]:
-    """(Hydra overrides of conf/train.yaml, plan.* values): conf/train.yaml has no plan group."""
-    rest, plan = [], {}
-    for item in overrides:
-        key, sep, value = item.lstrip("+").partition("=")
-        if key.startswith("plan."):
-            name = key.removeprefix("plan.")
-            if name not in PLAN_KEYS or not sep:
-                raise SystemExit(f"unknown plan option {item!r}: plan.world_size=N, plan.json=FILE")
-            plan[name] = PLAN_KEYS[name](value)
-        else:
-            rest.append(item)
-    return rest, plan
-
-
-def plan_from_overrides(overrides: list[str], world_size: int) -> MemoryPlan:
-    from infra import compose_config
-
-    cfg = compose_config("train", overrides)
-    return memory_plan(DraftConfig.from_conf(cfg.draft), spec_from_cfg(cfg, world_size), str(cfg.draft.name))
+    try:
+        return compose_config("plan", overrides)
+    except ConfigCompositionException as error:
+        if any(item.lstrip("+").startswith("plan.") for item in overrides):
+            options = ", ".join(f"plan.{f.name}" for f in fields(PlanConf))
+            raise SystemExit(f"python -m train plan: {error} (the plan options: {options})") from None
+        raise
 
 
 def main(argv: list[str], out: Callable[[str], None] = print) -> int:
     parser = argparse.ArgumentParser(prog="python -m train plan",
                                      description="Per-rank memory plan of a training run (meta device).")
-    parser.add_argument("--json", type=Path, help="also write the plan as JSON to this file ('-': stdout)")
+    parser.add_argument("--json", type=Path, help="also write the plan as JSON to this file ('-': stdout); "
+                                                  "the same as plan.json=FILE")
     parser.add_argument("overrides", nargs="*",
-                        help=f"hydra overrides of conf/train.yaml; plan.world_size=N (default {DEFAULT_WORLD_SIZE})")
+                        help="hydra overrides of conf/plan.yaml: conf/train.yaml's keys, plan.world_size=N")
     args = parser.parse_args(argv)
-    overrides, options = split_plan_overrides(args.overrides)
-    plan = plan_from_overrides(overrides, int(options.get("world_size", DEFAULT_WORLD_SIZE)))
-    json_path = args.json or (Path(options["json"]) if "json" in options else None)
-    document = json.dumps({**plan.to_json(), "overrides": overrides}, indent=2)
+    cfg = plan_config(args.overrides)
+    plan = memory_plan(DraftConfig.from_conf(cfg.draft), spec_from_cfg(cfg, cfg.plan.world_size), cfg.draft.name)
+    json_path = args.json or (Path(cfg.plan.json) if cfg.plan.json is not None else None)
+    training_overrides = [item for item in args.overrides if not item.lstrip("+").startswith("plan.")]
+    document = json.dumps({**plan.to_json(), "overrides": training_overrides}, indent=2)
     if json_path is not None and str(json_path) == "-":
         out(document)
         return 0

@@ -1,0 +1,115 @@
+"""The DeepSpeed engine around the objective: its config, the trained precision, the lr schedule.
+
+The DeepSpeed config is conf/deepspeed/<stage>.yaml plus the training values of conf/train.yaml,
+each of which has its home there.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Set
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from infra import cpu_flags as read_cpu_flags
+from train.objective import Eagle3Objective
+
+PRECISIONS = ("auto", "bf16", "fp32")
+BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})   # x86 units that run bf16 matmuls natively
+
+
+def precision_of(precision: str, device_type: str | None = None,
+                 cpu_flags: Set[str] | None = None) -> str:
+    """train.precision as trained: bf16 | fp32. auto is bf16 on an accelerator, and on a CPU with
+    bf16 units (avx512_bf16 or amx_bf16 in cpu_flags; default: this machine's), else fp32:
+    - without those units bf16 matmuls take slow fallbacks: on a 2-core x86 machine,
+      [2048, 8192] x [8192, 256] took 10.6 s in bf16 against 0.05 s in fp32, a step ~30x longer;
+    - with them bf16 is faster: 2,710 against 1,892 tokens/s fp32 (medians of steps 11-100, 2-core
+      AMD EPYC with avx512_bf16, the peer setting of bench/recipe.py on `make dump`'s store), held-out
+      figures equal within the seed spread. Its memory stays near flat only because micro-batch
+      lengths are padded to a grid (train.pad_multiple; free lengths grew 0.78 -> 2.25 GiB over 40
+      steps; on a 256-token grid 1.0 GiB at step 20, 1.44-1.56 at 300).
+    device_type: default, DeepSpeed's accelerator here."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"train.precision {precision!r}: use one of {', '.join(PRECISIONS)}")
+    if precision != "auto":
+        return precision
+    if device_type is None:
+        from deepspeed.accelerator import get_accelerator
+
+        device_type = get_accelerator().device_name()
+    if device_type != "cpu":
+        return "bf16"
+    flags = read_cpu_flags() if cpu_flags is None else cpu_flags
+    return "bf16" if BF16_CPU_FLAGS & set(flags) else "fp32"
+
+
+def deepspeed_config(cfg: DictConfig) -> dict[str, Any]:
+    """conf/deepspeed/<stage>.yaml + the training values (batch, precision, optimizer, clipping)."""
+    t = cfg.train
+    precision = precision_of(t.precision)
+    ds = OmegaConf.to_container(cfg.deepspeed, resolve=True)
+    assert isinstance(ds, dict)
+    ds.pop("name", None)
+    return ds | {
+        "train_micro_batch_size_per_gpu": t.micro_batch,
+        "gradient_accumulation_steps": t.grad_accum,
+        "gradient_clipping": t.grad_clip,
+        "bf16": {"enabled": precision == "bf16"},
+        "optimizer": {"type": "AdamW", "params": {
+            "lr": t.lr, "betas": list(t.betas), "eps": t.eps,
+            "weight_decay": t.weight_decay, "torch_adam": t.torch_adam}},
+        "steps_per_print": 2**31 - 1,          # our own logging; keep DeepSpeed's quiet
+        "wall_clock_breakdown": False,
+    }
+
+
+def warmup_steps_of(train: DictConfig, total_steps: int) -> int:
+    """Warmup length in optimizer steps: train.warmup_steps, or train.warmup_ratio of the run's
+    total_steps rounded up (recipes give one of the two, the other null)."""
+    steps, ratio = train.warmup_steps, train.warmup_ratio
+    if (steps is None) == (ratio is None):
+        raise ValueError(f"set exactly one of train.warmup_steps ({steps}) and train.warmup_ratio "
+                         f"({ratio}); the other null")
+    if steps is not None:
+        return steps
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"train.warmup_ratio {ratio} is not a fraction in [0, 1]")
+    return math.ceil(ratio * total_steps)
+
+
+def lr_factor(warmup_steps: int, total_steps: int, min_ratio: float) -> Callable[[int], float]:
+    """Multiplier of the peak lr at optimizer step s (0-based): linear warmup from 1/warmup to 1
+    over warmup_steps, then cosine down to min_ratio at the last step."""
+    def factor(s: int) -> float:
+        if s < warmup_steps:
+            return (s + 1) / warmup_steps
+        span = max(1, total_steps - warmup_steps - 1)
+        progress = min(1.0, (s - warmup_steps) / span)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return factor
+
+
+def initialize(objective: Eagle3Objective, cfg: DictConfig, total_steps: int):
+    """The DeepSpeed engine training the draft's trainable parameters."""
+    import deepspeed
+
+    ds_config = deepspeed_config(cfg)
+    if ds_config.get("zero_optimization", {}).get("stage", 0) == 3:
+        # The objective reads the draft's lm_head outside lm_head's own forward (chunked loss).
+        deepspeed.zero.register_external_parameter(objective, objective.draft.lm_head.weight)
+    if precision_of(cfg.train.precision) == "bf16":
+        objective.cast_buffers(torch.bfloat16)
+    factor = lr_factor(warmup_steps_of(cfg.train, total_steps), total_steps, cfg.train.min_lr_ratio)
+    engine, *_ = deepspeed.initialize(
+        model=objective,
+        model_parameters=[p for p in objective.parameters() if p.requires_grad],
+        config=ds_config,
+        lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor),
+    )
+    return engine
+
+
+def zero_stage(engine) -> int:
+    return int(engine.zero_optimization_stage())
