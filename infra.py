@@ -5,15 +5,19 @@ to the repository; `configure_environment()`, which each entry point (`python -m
 `-m evaluation`, tools, benchmarks, the test suite) calls before transformers, huggingface_hub or
 vLLM are imported; `failpoint`, the named places where the fault suite makes a process die or
 fail; `cpu_flags`, the CPU's instruction-set features, on which the CPU engine's attention
-backend depends. Config composition is config/'s.
+backend depends; `run_subcommand`, the `python -m <stage> <subcommand>` dispatch. Config
+composition is config/'s.
 Importing this module changes nothing.
 """
 from __future__ import annotations
 
 import errno
+import importlib
 import os
 import signal
+import sys
 from collections import Counter
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -124,3 +128,22 @@ def cpu_flags() -> frozenset[str]:
         return parse_cpu_flags(Path("/proc/cpuinfo").read_text())
     except OSError:
         return frozenset()
+
+
+Subcommand = Callable[[list[str]], int]
+
+
+def run_subcommand(subcommands: dict[str, str | Subcommand], stage_main: Callable[[], None]) -> None:
+    """`python -m <stage> NAME ARGS...`: run subcommands[NAME] (a function, or "module:function",
+    imported only when chosen so that a subcommand does not pay for the others' imports) on ARGS
+    and exit with the status it returns; with no known NAME, run the stage's own (Hydra) main on
+    the whole command line."""
+    name = sys.argv[1] if len(sys.argv) > 1 else None
+    if name not in subcommands:
+        stage_main()
+        return
+    command = subcommands[name]
+    if isinstance(command, str):
+        module, _, function = command.partition(":")
+        command = getattr(importlib.import_module(module), function)
+    sys.exit(command(sys.argv[2:]))

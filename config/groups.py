@@ -33,21 +33,28 @@ class VerifierConf:
 
 
 @dataclass
-class DraftConf:
-    """conf/draft/<name>.yaml: the draft's shapes (mostly `${verifier.*}`) and switches."""
+class DraftLayerShape:
+    """The draft decoder layer's shapes, named alike in conf/draft, the exported config.json and
+    model/draft.py's DraftConfig (which extends this class)."""
 
-    name: str
-    verifier: str         # the conf/verifier option this draft is written for
     hidden_size: int
     intermediate_size: int
     num_attention_heads: int
-    q_lora_rank: Optional[int]
+    q_lora_rank: Optional[int]    # None: one q_proj instead of the q_a/q_b low-rank pair
     kv_lora_rank: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
     rms_norm_eps: float
     max_position_embeddings: int
+
+
+@dataclass
+class DraftConf(DraftLayerShape):
+    """conf/draft/<name>.yaml: the draft's shapes (mostly `${verifier.*}`) and switches."""
+
+    name: str
+    verifier: str         # the conf/verifier option this draft is written for
     rope_parameters: Dict[str, Any]
     rope_interleave: bool
     vocab_size: int

@@ -73,12 +73,5 @@ def inspect_main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "inspect":
-        sys.exit(inspect_main(sys.argv[2:]))
-    if len(sys.argv) > 1 and sys.argv[1] == "plan":
-        from dump.plan import main as plan_main
-        sys.exit(plan_main(sys.argv[2:]))
-    if len(sys.argv) > 1 and sys.argv[1] == "transcode":
-        from dump.transcode import main as transcode_main
-        sys.exit(transcode_main(sys.argv[2:]))
-    dump_main()
+    infra.run_subcommand({"inspect": inspect_main, "plan": "dump.plan:main",
+                          "transcode": "dump.transcode:main"}, dump_main)

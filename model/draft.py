@@ -19,7 +19,7 @@ final norm and lm_head start as copies of the verifier's and stay frozen unless 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
 from config import compose_config
+from config.groups import DraftLayerShape
 from model.aux_ids import to_vllm_aux_ids
 from model.mla import MLAConfig, MLAttention, RMSNorm, TTTCache
 from model.rope import RopeSpec
@@ -38,22 +39,14 @@ if TYPE_CHECKING:
     from model.verifier_handle import Verifier
 
 
-@dataclass(frozen=True)
-class DraftConfig:
-    """Shapes and links to the verifier of one draft; filled from conf/draft + conf/verifier."""
+@dataclass
+class DraftConfig(DraftLayerShape):
+    """Shapes and links to the verifier of one draft; filled from conf/draft + conf/verifier.
 
-    # The draft decoder layer.
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    q_lora_rank: int | None
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    rms_norm_eps: float
-    # Positions: the verifier's RoPE, so draft and verifier agree on what a position is.
-    max_position_embeddings: int
+    The decoder layer's shapes are DraftLayerShape's fields (max_position_embeddings with them: the
+    verifier's RoPE, so draft and verifier agree on what a position is).
+    """
+
     rope_parameters: dict[str, Any]
     rope_interleave: bool
     # Vocabulary: target size, and the draft's (== vocab_size when not pruned).
@@ -138,9 +131,7 @@ class DraftConfig:
 
 
 # The draft layer's shapes: named alike in conf/draft, the exported config.json and DraftConfig.
-LAYER_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "q_lora_rank",
-                    "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                    "rms_norm_eps", "max_position_embeddings")
+LAYER_SHAPE_KEYS = tuple(f.name for f in fields(DraftLayerShape))
 
 
 def layer_shapes(d: dict[str, Any]) -> dict[str, Any]:

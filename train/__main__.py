@@ -119,12 +119,5 @@ def verify_main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "verify-checkpoint":
-        sys.exit(verify_main(sys.argv[2:]))
-    if len(sys.argv) > 1 and sys.argv[1] == "export":
-        sys.exit(export_main(sys.argv[2:]))
-    if len(sys.argv) > 1 and sys.argv[1] == "plan":
-        from train.plan import main as plan_main
-
-        sys.exit(plan_main(sys.argv[2:]))
-    train_main()
+    infra.run_subcommand({"verify-checkpoint": verify_main,
+                          "export": export_main, "plan": "train.plan:main"}, train_main)
