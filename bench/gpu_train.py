@@ -64,7 +64,7 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig
-from torch import nn
+from torch import Tensor, nn
 
 import infra
 from infra import REPO_ROOT
@@ -72,7 +72,7 @@ from config import compose_config
 from model.batch import Batch
 from model.chain import step_inputs
 from model.draft import DraftConfig, Eagle3Draft
-from model.mla import attention_block_size
+from model.mla import attention_block_size, query_blocks
 from train.objective import Eagle3Objective, ObjectiveConfig
 from train.plan import GIB, MemoryPlan, PlanSpec, memory_plan
 
@@ -133,18 +133,20 @@ def _matmul_params(module: nn.Module) -> int:
     return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
 
 
-def _executed_score_pairs(L: int, B: int, heads: int) -> int:
+def _executed_score_pairs(segment_ids: Tensor, heads: int) -> int:
     """(query, key) pairs model/mla.py's block-wise causal attention computes per head and row:
-    each query block [start, end) scores the keys [0, end)."""
-    block = attention_block_size(B, heads, L)
-    return sum((min(start + block, L) - start) * min(start + block, L) for start in range(0, L, block))
+    each query block [start, end) scores the keys [lo, end), lo the first key any of its queries
+    may see (the block's first sample start, lowest over the micro-batch)."""
+    B, L = segment_ids.shape
+    return sum((end - start) * (end - lo) for start, end, lo in
+               query_blocks(L, attention_block_size(B, heads, L), segment_ids))
 
 
 def model_flops(draft: Eagle3Draft, batch: Batch, steps: int, *, executed: bool = False) -> int:
     """Model FLOPs of one forward + backward of the objective on `batch` (module docstring).
 
     executed: the matmul FLOPs the kernels run instead: every position of the row, the attention's
-    query blocks against all keys up to each block's end, its backward recomputing the scores
+    query blocks against the keys from the block's first visible one to its end, its backward recomputing the scores
     (2 x dqk more per pair), no diagonal keys (element-wise), and the chunked loss's backward
     recomputing both heads' logits (what torch's FlopCounterMode counts)."""
     cfg = draft.config
@@ -158,7 +160,7 @@ def model_flops(draft: Eagle3Draft, batch: Batch, steps: int, *, executed: bool 
         target_flops += 2 * cfg.vocab_size * cfg.hidden_size
     attention_width = 2 * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
     causal = int(((batch.position_ids + 1) * real).sum())
-    executed_attention = B * cfg.num_attention_heads * _executed_score_pairs(L, B, cfg.num_attention_heads) * (
+    executed_attention = B * cfg.num_attention_heads * _executed_score_pairs(batch.segment_ids, cfg.num_attention_heads) * (
         attention_width // cfg.num_attention_heads * 3 + 2 * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim))
     flops = 4 * draft.fc.weight.numel() * T
     for k in range(steps):
@@ -293,8 +295,9 @@ def run_attempt(cfg: DictConfig, draft_cfg: DraftConfig, plan: MemoryPlan, devic
 # ---- plans ---------------------------------------------------------------------------------------
 def plan_for(cfg: DictConfig, draft_cfg: DraftConfig, max_len: int, zero_stage: int) -> MemoryPlan:
     t = cfg.train
-    spec = PlanSpec(world_size=1, zero_stage=zero_stage, max_len=max_len, micro_batch=1, precision=str(t.precision),
-                    ttt_steps=int(t.ttt.steps), ttt_decay=float(t.ttt.decay), chunk_bytes=int(t.loss.chunk_bytes))
+    spec = PlanSpec(world_size=1, zero_stage=zero_stage, max_len=max_len, micro_batch=1, precision=t.precision,
+                    ttt_steps=t.ttt.steps, ttt_decay=t.ttt.decay, chunk_bytes=t.loss.chunk_bytes,
+                    recompute=t.recompute)
     return memory_plan(draft_cfg, spec, str(cfg.draft.name))
 
 

@@ -74,6 +74,7 @@ class TrainConf:
     warmup_ratio: Optional[float]
     min_lr_ratio: float
     grad_clip: float
+    recompute: bool
     # From conf/train.yaml.
     micro_batch: int
     grad_accum: int
@@ -88,6 +89,7 @@ class TrainConf:
     ttt: TTTConf
     loss: LossConf
     threads: Optional[int]
+    sequence_parallel: int
     pad_multiple: int
     num_workers: int
     prefetch_factor: int

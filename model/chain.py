@@ -12,9 +12,11 @@ from collections.abc import Iterator
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from model.batch import Batch
 from model.draft import Eagle3Draft, StepOutput
+from model.mla import TTTCache
 
 
 def shift_in_sample(x: Tensor, segment_ids: Tensor, shift: int, fill: float | int | bool) -> Tensor:
@@ -42,13 +44,42 @@ def read_rows(batch: Batch) -> Tensor:
     return shift_in_sample(batch.loss_mask, seg, 1, False) & (seg >= 0)
 
 
-def draft_chain(draft: Eagle3Draft, batch: Batch, steps: int) -> Iterator[tuple[int, StepOutput, Tensor]]:
+def run_step(draft: Eagle3Draft, recompute: bool, input_ids: Tensor, hidden: Tensor, positions: Tensor,
+             cache: TTTCache | None, segment_ids: Tensor) -> StepOutput:
+    """draft.step without logits. With recompute, while autograd records, under a non-reentrant
+    torch.utils.checkpoint: the step keeps only its inputs (hidden, the cache of the earlier steps)
+    for the backward, which runs its forward again; the loss and gradients are the same, for one
+    more forward per step. No RNG state is kept: the layer draws no random numbers."""
+    if not (recompute and torch.is_grad_enabled()):
+        return draft.step(input_ids, hidden, positions, cache, segment_ids, with_logits=False)
+    # The cache goes in as plain tensors: checkpoint saves its tensor arguments as autograd saves
+    # any tensor (through the saved-tensor hooks train/plan.py counts with), other objects it only
+    # holds.
+    flat = () if cache is None else cache.tensors()
+    return checkpoint(_step_of_tensors, draft, input_ids, hidden, positions, segment_ids, *flat,
+                      use_reentrant=False, preserve_rng_state=False)
+
+
+def _step_of_tensors(draft: Eagle3Draft, input_ids: Tensor, hidden: Tensor, positions: Tensor,
+                     segment_ids: Tensor, *cache: Tensor) -> StepOutput:
+    return draft.step(input_ids, hidden, positions, TTTCache.from_tensors(cache) if cache else None,
+                      segment_ids, with_logits=False)
+
+
+def draft_chain(draft: Eagle3Draft, batch: Batch, steps: int, span: int | None = None,
+                recompute: bool = False) -> Iterator[tuple[int, StepOutput, Tensor]]:
     """(k, step k's output, counted [B, T] bool) for k < steps over a micro-batch, each step reading
-    the previous step's hidden states and attention cache."""
-    hidden = draft.project_aux(batch.aux.to(draft.fc.weight.dtype))     # [B, T, H]
+    the previous step's hidden states and attention cache.
+
+    span: the draft runs on the first `span` positions of each row only (sequence parallelism,
+    train/sequence_parallel.py: this rank's slice; the rows after it are only read by the shifts,
+    so ids and the counted mask are those of the whole row); outputs and counted are [B, span].
+    recompute: each step runs under torch.utils.checkpoint when autograd records (`run_step`)."""
+    n = batch.input_ids.shape[1] if span is None else span
+    hidden = draft.project_aux(batch.aux[:, :n].to(draft.fc.weight.dtype))     # [B, n, H]
     cache = None
     for k in range(steps):
-        ids, positions, counted = step_inputs(batch, k)
-        out = draft.step(ids, hidden, positions, cache, batch.segment_ids, with_logits=False)
+        ids, positions, counted = (x[:, :n] for x in step_inputs(batch, k))
+        out = run_step(draft, recompute, ids, hidden, positions, cache, batch.segment_ids[:, :n])
         yield k, out, counted
         hidden, cache = out.hidden, out.cache

@@ -11,14 +11,18 @@ step-0 keys K0[s] for s <= t (same sample) plus the diagonal keys K1[t] .. Kk[t]
 attention:
 
 - `attention_reference`: keys concatenated to (k+1)T and an explicit [T, (k+1)T] mask;
-- `attention_ttt`: causal attention over K0 returning its log-sum-exp, merged with the k
-  per-position diagonal dot products by log-sum-exp; no (k+1)T key tensor, no T x T x K mask.
+- `attention_ttt`: causal attention over K0 with its log-sum-exp, merged block by block with the
+  k per-position diagonal dot products by log-sum-exp; no (k+1)T key tensor, no T x T x K mask.
 
 The causal attention (`causal_attention_with_lse`) is exact and memory-efficient in plain
 PyTorch: it walks the queries block by block, each block against the keys up to its own end,
 and saves only q, k, v, its output and log-sum-exp; the backward recomputes each block's
 probabilities. Memory is O(block x T) per head for one step's scores, O(T) saved per step,
 instead of the [B, heads, T, T] scores and probabilities eager attention keeps for the backward.
+`attention_ttt` saves its inputs and output in their own dtype (bf16 in training) and one fp32
+log-sum-exp per query and head: each block is upcast to fp32 where it is used, so no fp32 copy of
+a whole row is kept (at Kimi-K3's 46k-token rows one [T, 64 heads, 192] fp32 copy is 2.1 GiB).
+RMSNorm likewise keeps its input and the fp32 1/rms per row, not the fp32 input.
 
 Packed rows: `segment_ids` [B, T] (int, one id per sample in the row; give padding an id no
 sample uses) keeps attention inside a sample; positions restart per sample in `positions`.
@@ -31,6 +35,36 @@ import torch
 from torch import Tensor, nn
 
 from model.rope import RopeSpec, RotaryEmbedding
+from model.ulysses import gather_positions, to_heads, to_positions
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """RMSNorm whose backward needs only its input (as given) and the fp32 1/rms per row: autograd
+    through the fp32 maths would keep an fp32 copy of x and the normalised x as well. With
+    xhat = x / rms(x) and g = dy * weight (fp32): dx = (g - xhat * mean(g * xhat)) / rms(x),
+    dweight = sum over rows of dy * xhat (xhat rounded to x's dtype, as the forward multiplies)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)              # [..., 1]
+        ctx.save_for_backward(x, weight, rstd)
+        return (xf * rstd).to(x.dtype) * weight
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight, rstd = ctx.saved_tensors
+        acc = torch.promote_types(rstd.dtype, dy.dtype)
+        xhat = x.to(acc) * rstd
+        dx = dw = None
+        if ctx.needs_input_grad[1]:
+            rows = dy.reshape(-1, dy.shape[-1]).to(acc)
+            dw = (rows * xhat.to(x.dtype).reshape(rows.shape).to(acc)).sum(0).to(weight.dtype)
+        if ctx.needs_input_grad[0]:
+            g = dy.to(acc) * weight.to(acc)
+            dx = ((g - xhat * (g * xhat).mean(-1, keepdim=True)) * rstd).to(x.dtype)
+        return dx, dw, None
 
 
 class RMSNorm(nn.Module):
@@ -42,9 +76,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.to(x.dtype) * self.weight
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
 @dataclass(frozen=True)
@@ -85,6 +117,15 @@ class TTTCache:
     @property
     def num_steps(self) -> int:
         return 1 + len(self.diag_k)
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        """(k0, v0, diag_k..., diag_v...): the cache as plain tensors (`from_tensors` undoes it)."""
+        return (self.k0, self.v0, *self.diag_k, *self.diag_v)
+
+    @classmethod
+    def from_tensors(cls, tensors: tuple[Tensor, ...]) -> TTTCache:
+        steps = (len(tensors) - 2) // 2
+        return cls(tensors[0], tensors[1], tuple(tensors[2:2 + steps]), tuple(tensors[2 + steps:]))
 
 
 # A [B, heads, block, T] fp32 score tile is kept near this size (the forward holds one such tile,
@@ -141,18 +182,56 @@ def _accumulation_dtype(x: Tensor) -> torch.dtype:
 
 def _heads_first(x: Tensor, dtype: torch.dtype) -> Tensor:
     """[B, T, heads, d] -> [B, heads, T, d] in dtype, contiguous: batched matmuls over slices of T
-    then need no copy."""
-    return x.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
+    then need no copy. (`to` alone returns the transposed view itself when x has the dtype.)"""
+    return x.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format).contiguous()
 
 
 def _blocks(T: int, block: int) -> list[tuple[int, int]]:
     return [(start, min(start + block, T)) for start in range(0, T, block)]
 
 
+def query_blocks(T: int, block: int, segment_ids: Tensor | None) -> list[tuple[int, int, int]]:
+    """(start, end, lo) of each query block of the block-wise attention: queries [start, end)
+    score keys [lo, end), lo from `_first_keys` (what the kernels compute, and what a FLOP count
+    of them counts)."""
+    blocks = _blocks(T, block)
+    return [(start, end, lo) for (start, end), lo in zip(blocks, _first_keys(segment_ids, blocks))]
+
+
 def _scores(q_blk: Tensor, k_pre: Tensor, scale: float, hidden: Tensor) -> Tensor:
     """q_blk [B, h, n, dqk], k_pre [B, h, end, dqk] -> [B, h, n, end] scores, -inf where hidden."""
     scores = torch.matmul(q_blk, k_pre.transpose(-1, -2)).mul_(scale)
     return scores.masked_fill_(hidden, float("-inf"))
+
+
+def _causal_block(q_blk: Tensor, kf: Tensor, vf: Tensor, scale: float, hidden: Tensor) -> tuple[Tensor, Tensor]:
+    """One query block q_blk [B, h, n, dqk] against its keys kf, vf [B, h, m, d] (fp32) -> (out
+    [B, h, n, dv], lse [B, h, n])."""
+    scores = _scores(q_blk, kf, scale, hidden)                                   # [B, h, n, m]
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = scores.sub_(lse[..., None]).exp_()
+    return torch.matmul(probs, vf), lse
+
+
+def _causal_block_grads(q_blk: Tensor, do_blk: Tensor, kf: Tensor, vf: Tensor, lse: Tensor, shift: Tensor,
+                        scale: float, hidden: Tensor, dk: Tensor, dv: Tensor) -> Tensor:
+    """The backward of one query block against its keys: adds into dk (without the scale) and dv
+    [B, h, m, d] and returns the block's dq [B, h, n, dqk]. lse [B, h, n]: what the rows'
+    probabilities are normalised by; shift [B, h, n]: D - dlse, the term all of a row's dS share."""
+    probs = _scores(q_blk, kf, scale, hidden).sub_(lse[..., None]).exp_()       # P [B, h, n, m]
+    _add_matmul_(dv, probs.transpose(-1, -2), do_blk)
+    ds = torch.matmul(do_blk, vf.transpose(-1, -2))                              # dP [B, h, n, m]
+    ds = ds.sub_(shift[..., None]).mul_(probs)
+    del probs
+    _add_matmul_(dk, ds.transpose(-1, -2), q_blk)
+    return torch.matmul(ds, kf).mul_(scale)
+
+
+def _add_matmul_(out: Tensor, a: Tensor, b: Tensor) -> None:
+    """out [B, h, m, d] += a [B, h, m, n] @ b [B, h, n, d], in place: no [B, h, m, d] temporary,
+    which for the keys of a long row is as large as the keys' own gradient."""
+    B, h, m, d = out.shape
+    out.view(B * h, m, d).baddbmm_(a.reshape(B * h, m, a.shape[-1]), b.reshape(B * h, b.shape[-2], d))
 
 
 class _CausalAttentionWithLse(torch.autograd.Function):
@@ -170,14 +249,11 @@ class _CausalAttentionWithLse(torch.autograd.Function):
         kf, vf = _heads_first(k, acc), _heads_first(v, acc)                      # [B, h, T, d]
         out = torch.empty(B, T, h, v.shape[-1], dtype=acc, device=q.device)
         lse = torch.empty(B, T, h, dtype=acc, device=q.device)
-        blocks = _blocks(T, block)
-        for (start, end), lo in zip(blocks, _first_keys(segment_ids, blocks)):
+        for start, end, lo in query_blocks(T, block, segment_ids):
             hidden = _hidden(segment_ids, B, start, end, q.device, lo)
-            q_blk = _heads_first(q[:, start:end], acc)                           # [B, h, n, dqk]
-            scores = _scores(q_blk, kf[:, :, lo:end], scale, hidden)             # [B, h, n, end - lo]
-            lse_blk = torch.logsumexp(scores, dim=-1)                            # [B, h, n]
-            probs = scores.sub_(lse_blk[..., None]).exp_()
-            out[:, start:end] = torch.matmul(probs, vf[:, :, lo:end]).transpose(1, 2)
+            out_blk, lse_blk = _causal_block(_heads_first(q[:, start:end], acc), kf[:, :, lo:end],
+                                             vf[:, :, lo:end], scale, hidden)
+            out[:, start:end] = out_blk.transpose(1, 2)
             lse[:, start:end] = lse_blk.transpose(1, 2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale, ctx.segment_ids, ctx.block = scale, segment_ids, block
@@ -190,27 +266,90 @@ class _CausalAttentionWithLse(torch.autograd.Function):
         B, T = q.shape[:2]
         acc = out.dtype
         d_out = d_out.to(acc)
-        # D - dlse: the one term all of a query's dS share.                       [B, h, T]
-        shift = ((d_out * out).sum(-1) - d_lse.to(acc)).transpose(1, 2)
+        shift = ((d_out * out).sum(-1) - d_lse.to(acc)).transpose(1, 2)        # D - dlse [B, h, T]
         lse_h = lse.transpose(1, 2)                                              # [B, h, T]
         kf, vf = _heads_first(k, acc), _heads_first(v, acc)                      # [B, h, T, d]
         dq = torch.empty_like(q)                                                 # a block's rows are final
         dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)                      # every later block adds
-        blocks = _blocks(T, ctx.block)
-        for (start, end), lo in zip(blocks, _first_keys(ctx.segment_ids, blocks)):
+        for start, end, lo in query_blocks(T, ctx.block, ctx.segment_ids):
             hidden = _hidden(ctx.segment_ids, B, start, end, q.device, lo)
-            q_blk = _heads_first(q[:, start:end], acc)                           # [B, h, n, dqk]
-            do_blk = _heads_first(d_out[:, start:end], acc)                      # [B, h, n, dv]
-            probs = _scores(q_blk, kf[:, :, lo:end], ctx.scale, hidden)
-            probs = probs.sub_(lse_h[:, :, start:end, None]).exp_()              # [B, h, n, end - lo]
-            dv[:, :, lo:end] += torch.matmul(probs.transpose(-1, -2), do_blk)
-            ds = torch.matmul(do_blk, vf[:, :, lo:end].transpose(-1, -2))        # dP [B, h, n, end - lo]
-            ds = ds.sub_(shift[:, :, start:end, None]).mul_(probs)
-            del probs
-            dq[:, start:end] = torch.matmul(ds, kf[:, :, lo:end]).mul_(ctx.scale).transpose(1, 2)
-            dk[:, :, lo:end] += torch.matmul(ds.transpose(-1, -2), q_blk)
+            dq_blk = _causal_block_grads(_heads_first(q[:, start:end], acc), _heads_first(d_out[:, start:end], acc),
+                                         kf[:, :, lo:end], vf[:, :, lo:end], lse_h[:, :, start:end],
+                                         shift[:, :, start:end], ctx.scale, hidden, dk[:, :, lo:end], dv[:, :, lo:end])
+            dq[:, start:end] = dq_blk.transpose(1, 2)
         dk = dk.mul_(ctx.scale).transpose(1, 2).to(k.dtype)
         return dq, dk, dv.transpose(1, 2).to(v.dtype), None, None, None
+
+
+class _TTTAttention(torch.autograd.Function):
+    """attention_ttt's kernel: each query block's causal attention over K0 (as
+    _CausalAttentionWithLse), merged in the same pass with its own rows of the diagonal keys
+    K1..Kk by log-sum-exp: O = (exp(lse0 - L) O0 + sum_j exp(s_j - L) V_j), L = lse(lse0, s_1..s_k).
+
+    Saves q, the keys and values as given (the training dtype), the output O (in q's dtype: the
+    tensor o_proj keeps anyway) and L [B, T, heads] fp32: no fp32 copy of a full row; every block
+    is upcast to fp32 where it is used. The backward is that of one softmax over the causal and
+    the diagonal keys, with P = exp(S - L) and D = rowsum(dO * O): dS = P * (dP - D) for both kinds
+    of keys (the causal part through _causal_block_grads, the diagonal one per row)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, scale: float, segment_ids: Tensor | None, block: int, k0: Tensor, v0: Tensor,
+                *diag: Tensor) -> Tensor:
+        B, T, h = q.shape[:3]
+        acc = _accumulation_dtype(q)
+        diag_k, diag_v = diag[:len(diag) // 2], diag[len(diag) // 2:]
+        kf, vf = _heads_first(k0, acc), _heads_first(v0, acc)                    # [B, h, T, d]
+        out = torch.empty(B, T, h, v0.shape[-1], dtype=q.dtype, device=q.device)
+        lse = torch.empty(B, T, h, dtype=acc, device=q.device)
+        for start, end, lo in query_blocks(T, block, segment_ids):
+            rows = slice(start, end)
+            hidden = _hidden(segment_ids, B, start, end, q.device, lo)
+            q_blk = _heads_first(q[:, rows], acc)                                # [B, h, n, dqk]
+            out_blk, lse_blk = _causal_block(q_blk, kf[:, :, lo:end], vf[:, :, lo:end], scale, hidden)
+            if diag_k:
+                # Diagonal logits: query t against step j's key at the same t.    each [B, h, n]
+                s = [(q_blk * _heads_first(kj[:, rows], acc)).sum(-1).mul_(scale) for kj in diag_k]
+                lse_blk, lse0 = torch.logsumexp(torch.stack((lse_blk, *s)), dim=0), lse_blk
+                out_blk = out_blk.mul_(torch.exp(lse0 - lse_blk)[..., None])
+                for s_j, vj in zip(s, diag_v):
+                    out_blk.addcmul_(_heads_first(vj[:, rows], acc), torch.exp(s_j - lse_blk)[..., None])
+            out[:, rows] = out_blk.transpose(1, 2)
+            lse[:, rows] = lse_blk.transpose(1, 2)
+        ctx.save_for_backward(q, out, lse, k0, v0, *diag)
+        ctx.scale, ctx.segment_ids, ctx.block = scale, segment_ids, block
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_out: Tensor) -> tuple[Tensor | None, ...]:
+        q, out, lse, k0, v0, *diag = ctx.saved_tensors
+        diag_k, diag_v = diag[:len(diag) // 2], diag[len(diag) // 2:]
+        B, T = q.shape[:2]
+        acc, scale = lse.dtype, ctx.scale
+        kf, vf = _heads_first(k0, acc), _heads_first(v0, acc)                    # [B, h, T, d]
+        dq = torch.empty_like(q)                                                 # a block's rows are final
+        dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)                      # every later block adds
+        d_diag_k = [torch.empty_like(kj) for kj in diag_k]                       # rows are final, too
+        d_diag_v = [torch.empty_like(vj) for vj in diag_v]
+        for start, end, lo in query_blocks(T, ctx.block, ctx.segment_ids):
+            rows = slice(start, end)
+            hidden = _hidden(ctx.segment_ids, B, start, end, q.device, lo)
+            q_blk = _heads_first(q[:, rows], acc)                                # [B, h, n, dqk]
+            do_blk = _heads_first(d_out[:, rows], acc)                           # [B, h, n, dv]
+            lse_blk = lse[:, rows].transpose(1, 2)                               # L [B, h, n]
+            shift = (do_blk * _heads_first(out[:, rows], acc)).sum(-1)           # D [B, h, n]
+            dq_blk = _causal_block_grads(q_blk, do_blk, kf[:, :, lo:end], vf[:, :, lo:end], lse_blk, shift,
+                                         scale, hidden, dk[:, :, lo:end], dv[:, :, lo:end])
+            for kj, vj, dkj, dvj in zip(diag_k, diag_v, d_diag_k, d_diag_v):
+                k_blk, v_blk = _heads_first(kj[:, rows], acc), _heads_first(vj[:, rows], acc)
+                p = torch.exp((q_blk * k_blk).sum(-1).mul_(scale) - lse_blk)     # [B, h, n]
+                ds = p * ((do_blk * v_blk).sum(-1) - shift)
+                dq_blk.addcmul_(k_blk, ds[..., None], value=scale)
+                dkj[:, rows] = (q_blk * ds[..., None]).mul_(scale).transpose(1, 2)
+                dvj[:, rows] = (do_blk * p[..., None]).transpose(1, 2)
+            dq[:, rows] = dq_blk.transpose(1, 2)
+        dk = dk.mul_(scale).transpose(1, 2).to(k0.dtype)
+        return (dq, None, None, None, dk, dv.transpose(1, 2).to(v0.dtype), *d_diag_k, *d_diag_v)
 
 
 def causal_attention_with_lse(
@@ -231,21 +370,17 @@ def causal_attention_with_lse(
     return _CausalAttentionWithLse.apply(q, k, v, scale, segment_ids, block)
 
 
-def attention_ttt(q: Tensor, cache: TTTCache, scale: float, segment_ids: Tensor | None = None) -> Tensor:
-    """Memory-efficient TTT attention. q: [B, T, heads, dqk] -> [B, T, heads, dv] in q's dtype."""
-    out0, lse0 = causal_attention_with_lse(q, cache.k0, cache.v0, scale, segment_ids)
-    if not cache.diag_k:
-        return out0.to(q.dtype)
-    qf = q.float()
-    # Diagonal logits: query t against step j's key at the same t.      s: [B, T, heads, k]
-    s = torch.stack([(qf * kj.float()).sum(-1) for kj in cache.diag_k], dim=-1) * scale
-    vs = torch.stack([vj.float() for vj in cache.diag_v], dim=-2)        # [B, T, heads, k, dv]
-    m = torch.maximum(lse0, s.amax(-1)).detach()                         # shift for exp stability
-    w0 = torch.exp(lse0 - m)                                             # [B, T, heads]
-    w = torch.exp(s - m[..., None])                                      # [B, T, heads, k]
-    num = w0[..., None] * out0 + (w[..., None] * vs).sum(-2)
-    den = w0 + w.sum(-1)
-    return (num / den[..., None]).to(q.dtype)
+def attention_ttt(q: Tensor, cache: TTTCache, scale: float, segment_ids: Tensor | None = None,
+                  block_size: int | None = None) -> Tensor:
+    """Memory-efficient TTT attention. q: [B, T, heads, dqk] -> [B, T, heads, dv] in q's dtype.
+
+    Exact, block_size queries at a time (default `attention_block_size`) in fp32; saves for the
+    backward q, the cache's keys and values, the output and one log-sum-exp per query and head."""
+    B, T, h = q.shape[:3]
+    block = attention_block_size(B, h, T) if block_size is None else block_size
+    if block < 1:
+        raise ValueError(f"block_size {block_size}: at least 1 query per block")
+    return _TTTAttention.apply(q, scale, segment_ids, block, cache.k0, cache.v0, *cache.diag_k, *cache.diag_v)
 
 
 def ttt_mask(T: int, num_steps: int, segment_ids: Tensor | None, B: int, device: torch.device) -> Tensor:
@@ -323,7 +458,12 @@ class MLAttention(nn.Module):
         k_pe = self.rotary(k_pe[:, :, None, :], positions)               # [B, T, 1, rope]
         q = torch.cat((q_nope, q_pe), dim=-1)
         k = torch.cat((k_nope, k_pe.expand(B, T, cfg.num_heads, cfg.qk_rope_head_dim)), dim=-1)
-        return q, k, v
+        # v on its own storage: the TTT cache keeps it for the later steps and the backward, and
+        # as a view of kv it would keep k_nope's half of kv alive too.
+        return q, k, v.contiguous()
+
+    # Sequence parallelism (model/ulysses.py): the group whose ranks split each row; None: off.
+    sequence_group: torch.distributed.ProcessGroup | None = None
 
     def forward(
         self,
@@ -332,8 +472,17 @@ class MLAttention(nn.Module):
         cache: TTTCache | None = None,
         segment_ids: Tensor | None = None,
     ) -> tuple[Tensor, TTTCache]:
+        """With a sequence_group, x, positions and segment_ids are this rank's positions of each
+        row; the attention runs over the whole row for this rank's heads, and the cache holds the
+        whole row's keys of those heads."""
         q, k, v = self.project(x, positions)
+        group = self.sequence_group
+        if group is not None:
+            q, k, v = to_heads((q, k, v), group)                        # [B, T, heads/SP, d]
+            segment_ids = None if segment_ids is None else gather_positions(segment_ids, group)
         cache = TTTCache(k, v) if cache is None else cache.extend(k, v)
         out = self._attend(q, cache, self.scale, segment_ids)           # [B, T, heads, dv]
+        if group is not None:
+            out = to_positions(out, group)                              # [B, T/SP, heads, dv]
         return self.o_proj(out.flatten(-2)), cache
 

@@ -13,6 +13,7 @@ from model.mla import (
     TILE_BYTES,
     MLAConfig,
     MLAttention,
+    RMSNorm,
     TTTCache,
     attention_block_size,
     attention_reference,
@@ -191,6 +192,72 @@ def test_ttt_attention_equals_reference_with_gradients(steps: int, packed: bool)
         torch.testing.assert_close(g_ttt, g_ref, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("block", [1, 5, 8, 64])
+@pytest.mark.parametrize("steps", [1, 3])
+def test_ttt_attention_in_blocks_equals_reference_with_gradients(block: int, steps: int) -> None:
+    """Query blocks that split the row and the packed samples: forward and every gradient (q, K0,
+    V0 and each diagonal key and value) equal the explicit-mask reference's."""
+    g = torch.Generator().manual_seed(10 + steps)
+    B, T, h, dqk, dv = 2, 24, 3, 16, 8
+    q, cache = _cache(B, T, h, dqk, dv, steps, g)
+    leaves = [q, *cache.tensors()]
+    upstream = torch.randn(B, T, h, dv, generator=g)
+    seg = _packed_segments(B, T)
+    outs, grads = [], []
+    for kernel in (attention_reference, lambda *a: attention_ttt(*a, block_size=block)):
+        out = kernel(q, cache, 0.37, seg)
+        outs.append(out)
+        grads.append(torch.autograd.grad((out * upstream).sum(), leaves))
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-5)
+    for g_ttt, g_ref in zip(grads[1], grads[0]):
+        torch.testing.assert_close(g_ttt, g_ref, rtol=0, atol=1e-5)
+
+
+def test_ttt_attention_gradcheck_float64() -> None:
+    g = torch.Generator().manual_seed(5)
+    mk = lambda d: torch.randn(2, 7, 2, d, generator=g, dtype=torch.float64).requires_grad_()  # noqa: E731
+    tensors = (mk(3), mk(3), mk(2), mk(3), mk(3), mk(2), mk(2))      # q, K0, V0, K1, K2, V1, V2
+    seg = torch.tensor([[0] * 7, [0, 0, 0, 1, 1, 9, 9]])
+
+    def fn(q, *cache):
+        return attention_ttt(q, TTTCache.from_tensors(cache), 0.7, seg, block_size=3)
+
+    assert fn(*tensors).dtype == torch.float64
+    assert torch.autograd.gradcheck(fn, tensors, eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def test_ttt_attention_saves_no_fp32_copy_of_a_row() -> None:
+    """bf16 in (the training dtype): the backward keeps q, the cache's keys and values and the
+    output in bf16, and only the log-sum-exp [B, T, heads] in fp32; the gradients, in bf16, follow
+    the fp32 reference."""
+    g = torch.Generator().manual_seed(6)
+    B, T, h, dqk, dv, steps = 1, 40, 2, 16, 8, 3
+    q32, cache32 = _cache(B, T, h, dqk, dv, steps, g)
+    leaves = [t.detach().bfloat16().requires_grad_() for t in (q32, *cache32.tensors())]
+    saved: dict[int, torch.Tensor] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage()._cdata] = t
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = attention_ttt(leaves[0], TTTCache.from_tensors(tuple(leaves[1:])), 0.3, block_size=16)
+    assert out.dtype == torch.bfloat16
+    fp32 = [t for t in saved.values() if t.dtype == torch.float32]
+    assert [tuple(t.shape) for t in fp32] == [(B, T, h)]                        # the merged lse
+    # bf16: q and the steps' keys, the steps' values and the output; fp32: lse
+    assert sum(t.untyped_storage().nbytes() for t in saved.values()) == (
+        2 * B * T * h * (steps + 1) * (dqk + dv) + 4 * B * T * h)
+    upstream = torch.randn(B, T, h, dv, generator=g)
+    grads = torch.autograd.grad((out.float() * upstream).sum(), leaves)
+    assert all(t.dtype == torch.bfloat16 for t in grads)
+    ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
+    ref = attention_reference(ref_leaves[0], TTTCache.from_tensors(tuple(ref_leaves[1:])), 0.3)
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=2e-2)
+    for a, b in zip(grads, torch.autograd.grad((ref * upstream).sum(), ref_leaves)):
+        torch.testing.assert_close(a.float(), b, rtol=2e-2, atol=2e-2)
+
+
 class _ShapeRecorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
@@ -283,12 +350,13 @@ def _all_packed(T: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("T,block", [(40, 4), (40, 9), (64, 16)])
 def test_blockwise_attention_skips_earlier_samples_exactly(T: int, block: int) -> None:
-    from model.mla import _blocks, _first_keys
+    from model.mla import query_blocks
 
     seg = _all_packed(T)
-    firsts = _first_keys(seg, _blocks(T, block))
+    blocks = query_blocks(T, block, seg)
+    firsts = [lo for _, _, lo in blocks]
     assert max(firsts) > 0 and firsts == sorted(firsts)                 # later blocks start later
-    for (start, _), lo in zip(_blocks(T, block), firsts):   # the earliest sample start in the block's rows
+    for start, _, lo in blocks:             # the earliest sample start in the block's rows
         assert lo == min(int((seg[b] == seg[b, start]).nonzero().min()) for b in range(2))
     g = torch.Generator().manual_seed(T + block)
     q, k, v = _qkv(2, T, 3, 16, 8, g)
@@ -396,6 +464,44 @@ def test_default_block_size() -> None:
     assert attention_block_size(1, 4, 100) == 100
     with pytest.raises(ValueError):
         causal_attention_with_lse(*_qkv(1, 4, 1, 2, 2, torch.Generator()), 1.0, block_size=0)
+
+
+# ---- RMSNorm ----------------------------------------------------------------------------------
+def _rms_norm_by_autograd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm's maths as autograd differentiates it (what RMSNorm computed before its own backward)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return xf.to(x.dtype) * weight
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_equals_autograd_and_saves_only_its_input(dtype: torch.dtype) -> None:
+    """Output bit for bit, gradients within rounding of autograd's through the fp32 maths; for the
+    backward only x (in its dtype), the weight and the fp32 1/rms per row are kept."""
+    g = torch.Generator().manual_seed(8)
+    norm = RMSNorm(48, 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(48, generator=g) * 0.5 + 1)
+    x = (torch.randn(2, 5, 48, generator=g) * 3).to(dtype).requires_grad_()
+    upstream = torch.randn(2, 5, 48, generator=g).to(dtype)
+    saved: dict[int, torch.Tensor] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage()._cdata] = t
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = norm(x)
+    assert {(tuple(t.shape), t.dtype) for t in saved.values()} == {((2, 5, 48), dtype), ((48,), dtype),
+                                                                   ((2, 5, 1), torch.float32)}
+    got = torch.autograd.grad(out, (x, norm.weight), upstream)
+    ref_out = _rms_norm_by_autograd(x, norm.weight, 1e-6)
+    assert torch.equal(out, ref_out)
+    want = torch.autograd.grad(ref_out, (x, norm.weight), upstream)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for a, b in zip(got, want):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a, b, **tol)
 
 
 # ---- the MLA module -----------------------------------------------------------------------

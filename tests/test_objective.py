@@ -81,9 +81,10 @@ def test_targets_are_the_final_states_one_ahead(monkeypatch, tiny_cfg: DraftConf
     seen = []
     real = objective_module.soft_cross_entropy
 
-    def spy(normed, head, target_hidden, *rest):
-        seen.append(target_hidden[:, 0].tolist())
-        return real(normed, head, target_hidden, *rest)
+    def spy(normed, head, target_hidden, target_head, keep, chunk, cache=None, rows=None, **kw):
+        # The objective may pass all of final and name each position's row in it.
+        seen.append((target_hidden if rows is None else target_hidden[rows])[:, 0].tolist())
+        return real(normed, head, target_hidden, target_head, keep, chunk, cache, rows, **kw)
 
     monkeypatch.setattr(objective_module, "soft_cross_entropy", spy)
     obj = _objective(tiny_cfg, draft_verifier_dir, steps=4)
@@ -487,3 +488,37 @@ def test_padding_to_a_length_grid_changes_no_loss_or_gradient(
     assert a.stats.correct.tolist() == b.stats.correct.tolist()
     for name in ga:
         torch.testing.assert_close(ga[name], gb[name], rtol=1e-5, atol=1e-7)
+
+
+# ---- recompute per TTT step ---------------------------------------------------------------------
+def test_recompute_gives_the_loss_and_gradients_of_keeping_the_activations(
+        tiny_cfg: DraftConfig, draft_verifier_dir: Path, train_store: Path) -> None:
+    """recompute (each TTT step under torch.utils.checkpoint): the same loss, stats and gradients,
+    with every step's layer forward run once more by the backward."""
+    reader = StoreReader(train_store)
+    samples = [reader.read_sample(ref, torch.float32) for ref in reader.samples()[:3]]
+    parts = [(s.input_ids, s.loss_mask, s.aux, s.final) for s in samples]
+    batch = collate_rows([pack_row(parts[:2], 4096), pack_row(parts[2:], 4096)])
+    results, calls = [], []
+    for recompute in (False, True):
+        obj = _objective(tiny_cfg, draft_verifier_dir, steps=4)
+        obj.cfg = dataclasses.replace(obj.cfg, recompute=recompute)
+        forwards = []
+        hook = obj.draft.midlayer.register_forward_hook(lambda *_: forwards.append(1))
+        out = obj(batch)
+        in_forward = len(forwards)
+        out.loss.backward()
+        hook.remove()
+        calls.append((in_forward, len(forwards)))
+        results.append((out, {n: p.grad for n, p in obj.named_parameters() if p.requires_grad}))
+    assert calls == [(4, 4), (4, 8)]
+    assert_same_objective_runs(results, loss_tol=1e-6, grad_rtol=1e-5, grad_atol=1e-7)
+
+
+def test_train_config_passes_recompute() -> None:
+    from config import compose_config
+    from train.loop import _objective_config
+
+    assert _objective_config(compose_config("train")).recompute is False
+    assert _objective_config(compose_config("train", ["verifier=kimi_k3", "draft=kimi_k3"])).recompute is True
+    assert _objective_config(compose_config("train", ["train.recompute=true"])).recompute is True

@@ -10,6 +10,8 @@ s*R .. (s+1)*R - 1 of the stream, R = micro_batch * grad_accum * world_size, and
 micro-step m takes rows s*R + (m*world_size + r)*micro_batch + j. The stream depends only on
 the store and the seed, so a resumed run picks it up at its step without reading anything
 before, and 1 rank with grad_accum 2 sees the same rows per step as 2 ranks with grad_accum 1.
+Under sequence parallelism the rank and world here are the data-parallel ones: the ranks of a
+sequence-parallel group read the same rows and each keeps its slice (train/sequence_parallel.py).
 
 Split. A sample is held out for evaluation when `data.conversations.is_held_out` says so for
 its conversation (ShareGPT parts "id_3" count as "id", as the dump's own split does), with the
@@ -140,15 +142,21 @@ def _worker_init(_: int) -> None:
     torch.set_num_threads(1)  # workers decode and copy; the trainer's threads do the math
 
 
+def _collate(rows: Sequence[Batch], multiple: int, cut: Callable[[Batch], Batch] | None) -> Batch:
+    batch = collate_rows(rows, multiple)
+    return batch if cut is None else cut(batch)
+
+
 def make_loader(dataset: PackedRows, micro_batch: int, num_workers: int, prefetch_factor: int,
-                pad_multiple: int = 1) -> DataLoader:
+                pad_multiple: int = 1, cut: Callable[[Batch], Batch] | None = None) -> DataLoader:
     """In-order micro-batches, their length padded to a multiple of pad_multiple (collate_rows);
-    workers read ahead so reading overlaps compute."""
+    workers read ahead so reading overlaps compute. cut: applied to each micro-batch in the
+    workers (sequence parallelism: this rank's slice, train/sequence_parallel.py RowSlice)."""
     extra = {"prefetch_factor": prefetch_factor, "persistent_workers": False,
              "worker_init_fn": _worker_init} if num_workers > 0 else {}
     return DataLoader(dataset, batch_size=micro_batch, shuffle=False, num_workers=num_workers,
-                      collate_fn=functools.partial(collate_rows, multiple=pad_multiple), drop_last=False, pin_memory=torch.cuda.is_available(),
-                      **extra)
+                      collate_fn=functools.partial(_collate, multiple=pad_multiple, cut=cut), drop_last=False,
+                      pin_memory=torch.cuda.is_available(), **extra)
 
 
 @dataclass

@@ -91,8 +91,10 @@ def lr_factor(warmup_steps: int, total_steps: int, min_ratio: float) -> Callable
     return factor
 
 
-def initialize(objective: Eagle3Objective, cfg: DictConfig, total_steps: int):
-    """The DeepSpeed engine training the draft's trainable parameters."""
+def initialize(objective: Eagle3Objective, cfg: DictConfig, total_steps: int, mpu: Any = None):
+    """The DeepSpeed engine training the draft's trainable parameters. mpu: DeepSpeed's
+    sequence-parallel groups (train/sequence_parallel.py SequenceParallel.mpu), None without: with
+    them ZeRO reduces and partitions over every rank and averages over the data-parallel groups."""
     import deepspeed
 
     ds_config = deepspeed_config(cfg)
@@ -106,6 +108,7 @@ def initialize(objective: Eagle3Objective, cfg: DictConfig, total_steps: int):
         model=objective,
         model_parameters=[p for p in objective.parameters() if p.requires_grad],
         config=ds_config,
+        mpu=mpu,
         lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor),
     )
     return engine

@@ -46,6 +46,7 @@ from train.heldout import evaluate
 from train.metrics import RunLog, step_metrics
 from train.objective import Eagle3Objective, ObjectiveConfig, StepStats
 from train.run_folder import RunFolder
+from train.sequence_parallel import SequenceParallel, init_sequence_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,8 @@ def _objective_config(cfg: DictConfig, steps: int | None = None) -> ObjectiveCon
     return ObjectiveConfig(steps=int(steps or cfg.train.ttt.steps), decay=cfg.train.ttt.decay,
                            chunk_bytes=loss.chunk_bytes, target_topk=loss.target_topk,
                            target_cache_bytes=loss.target_cache_bytes,
-                           acceptance=loss.acceptance, acceptance_weight=loss.acceptance_weight)
+                           acceptance=loss.acceptance, acceptance_weight=loss.acceptance_weight,
+                           recompute=cfg.train.recompute)
 
 
 def _pruned_vocab(cfg: DraftConfig, split: StoreSplit, run_dir: Path, verifier: Verifier) -> torch.Tensor:
@@ -152,38 +154,42 @@ def build_objective(setup: RunSetup, cfg: DictConfig, resuming: bool = False) ->
 
 
 def train_step(engine, batches: Iterator[Batch], grad_accum: int, steps: int,
-               step: int, last_checkpoint: Path | None) -> tuple[torch.Tensor, float, float]:
+               step: int, last_checkpoint: Path | None,
+               sequence: SequenceParallel) -> tuple[torch.Tensor, float, float]:
     """One optimizer step over grad_accum micro-batches: (stats [4, K] summed over ranks,
-    mean micro-batch loss over ranks, tokens of all ranks). Stops on a non-finite loss."""
+    mean micro-batch loss over the data-parallel ranks, tokens of all ranks). Stops on a
+    non-finite loss. Under sequence parallelism a rank's loss and tokens are its slice's share."""
     device = engine.device
     stats = StepStats.zeros(steps, device)
     sums = torch.zeros(2, dtype=torch.float64, device=device)          # loss, tokens
+    scale = sequence.backward_scale(engine)
     for _ in range(grad_accum):
         batch = next(batches).to(device)
         out = engine(batch)
         check_finite(out.loss.detach(), step, last_checkpoint)
-        engine.backward(out.loss)
+        engine.backward(out.loss * scale)
         engine.step()                                                   # optimizer only on the last
         stats += out.stats.stacked().to(device)
-        sums += torch.stack((out.loss.detach().double(), batch.tokens().double()))
+        sums += torch.stack((out.loss.detach().double(), sequence.tokens(batch).double()))
     all_reduce_sum(stats)
     all_reduce_sum(sums)
-    return stats, sums[0].item() / (grad_accum * dist.get_world_size()), sums[1].item()
+    return stats, sums[0].item() / (grad_accum * sequence.data_world), sums[1].item()
 
 
-def run_evaluation(engine, setup: RunSetup, cfg: DictConfig, rank: int, world: int) -> dict[str, float]:
-    plan = setup.split.eval_rows(cfg.train.max_len, rank, world)
+def run_evaluation(engine, setup: RunSetup, cfg: DictConfig, sequence: SequenceParallel) -> dict[str, float]:
+    """The held-out metrics; the ranks of a sequence-parallel group evaluate the same rows."""
+    plan = setup.split.eval_rows(cfg.train.max_len, sequence.data_rank, sequence.data_world)
     rows = PackedRows(setup.split.path, setup.split.heldout, [r for r, _ in plan], cfg.train.max_len,
                       cfg.train.loss.last_turn_only)
     loader = make_loader(rows, 1, cfg.train.num_workers, cfg.train.prefetch_factor,
-                         cfg.train.pad_multiple)
+                         cfg.train.pad_multiple * sequence.size, sequence.slicer)
     return evaluate(engine, loader, [c for _, c in plan], cfg.eval.ttt_steps)
 
 
-def evaluate_and_log(engine, setup: RunSetup, cfg: DictConfig, rank: int, world: int, log: RunLog,
-                     step: int, bar: tqdm) -> dict[str, float]:
+def evaluate_and_log(engine, setup: RunSetup, cfg: DictConfig, rank: int, sequence: SequenceParallel,
+                     log: RunLog, step: int, bar: tqdm) -> dict[str, float]:
     """The held-out evaluation after `step`, written to the run log and the progress bar."""
-    heldout = run_evaluation(engine, setup, cfg, rank, world)
+    heldout = run_evaluation(engine, setup, cfg, sequence)
     log.write("heldout", step, heldout)
     if rank == 0:
         accs = ", ".join(f"{heldout[f'acc_{k}']:.3f}" for k in range(cfg.eval.ttt_steps))
@@ -207,12 +213,18 @@ def fit(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     rank, world = init_distributed()
+    # Before any compute: a size the ranks or the heads do not split by is refused here.
+    sequence = init_sequence_parallel(cfg.train.sequence_parallel, cfg.draft.num_attention_heads,
+                                      max(cfg.train.ttt.steps, cfg.eval.ttt_steps))
     run = RunFolder(Path(broadcast_object(str(Path(run_dir).resolve()))))    # rank 0's folder for all
     run.root.mkdir(parents=True, exist_ok=True)
-    setup = prepare(cfg, run.root, world)
+    setup = prepare(cfg, run.root, sequence.data_world)
     t, K, accum = cfg.train, cfg.train.ttt.steps, cfg.train.grad_accum
     resume_from = on_rank0(lambda: run.resolve_resume(t.resume))
-    engine = initialize(build_objective(setup, cfg, resuming=resume_from is not None), cfg, setup.total_steps)
+    objective = build_objective(setup, cfg, resuming=resume_from is not None)
+    objective.split_rows(sequence)
+    engine = initialize(objective, cfg, setup.total_steps, sequence.mpu())
+    sequence.backward_scale(engine)                   # refuses a ZeRO setting it cannot reduce right
     start = load_checkpoint(engine, resume_from) if resume_from else 0
     if resume_from:
         logger.info("resumed from %s at step %d", resume_from, start)
@@ -220,11 +232,12 @@ def fit(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     log = RunLog(run.metrics, run.tensorboard, rank == 0, start)
 
     stream = setup.split.train_stream(t.max_len, cfg.seed)
-    plan = rank_rows(stream, start, setup.total_steps, t.micro_batch, accum, rank, world)
+    plan = rank_rows(stream, start, setup.total_steps, t.micro_batch, accum, sequence.data_rank,
+                     sequence.data_world)
     rows = PackedRows(setup.split.path, setup.split.train, [r for _, r in plan], t.max_len,
                       t.loss.last_turn_only)
     batches = iter(make_loader(rows, t.micro_batch, t.num_workers, t.prefetch_factor,
-                               t.pad_multiple))
+                               t.pad_multiple * sequence.size, sequence.slicer))
     rows_per_rank_step = accum * t.micro_batch
     bar = tqdm(total=setup.total_steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
                disable=rank != 0)
@@ -235,7 +248,7 @@ def fit(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         for step in range(start, setup.total_steps):
             lr = engine.get_lr()[0]                        # the lr this step applies
             began = time.perf_counter()
-            stats, loss, tokens = train_step(engine, batches, accum, K, step, last_ckpt)
+            stats, loss, tokens = train_step(engine, batches, accum, K, step, last_ckpt, sequence)
             elapsed = time.perf_counter() - began
             tokens_total, time_total = tokens_total + tokens, time_total + elapsed
             done = step + 1
@@ -254,16 +267,17 @@ def fit(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             if _due(t.checkpoint_every, done, setup.total_steps):
                 last_ckpt = run.save_checkpoint(engine, done, t.keep_checkpoints, {"loss": loss}, setup.verifier.path)
             if evaluating and done < setup.total_steps and _due(cfg.eval.every, done, setup.total_steps):
-                heldout = evaluate_and_log(engine, setup, cfg, rank, world, log, done, bar)
+                heldout = evaluate_and_log(engine, setup, cfg, rank, sequence, log, done, bar)
         # The final evaluation (also of a resumed run that had already finished) after the export:
         # whatever it meets, the trained draft is on disk.
         exported = export_run(engine, setup, run, getattr(torch, t.export_dtype)) if t.export else None
         if evaluating:
-            heldout = evaluate_and_log(engine, setup, cfg, rank, world, log, max(start, setup.total_steps), bar)
+            heldout = evaluate_and_log(engine, setup, cfg, rank, sequence, log, max(start, setup.total_steps), bar)
     finally:
         bar.close()
         log.close()
-    summary = {"run_dir": str(run.root), "rank": rank, "world_size": world, "steps": setup.total_steps,
+    summary = {"run_dir": str(run.root), "rank": rank, "world_size": world,
+               "sequence_parallel": sequence.size, "steps": setup.total_steps,
                "resumed_from": str(resume_from) if resume_from else None, "zero_stage": zero_stage(engine),
                "precision": precision_of(t.precision), "train_tokens_per_s": tokens_total / time_total if time_total else None,
                "heldout": heldout, "exported": exported, "last_checkpoint": str(last_ckpt) if last_ckpt else None,

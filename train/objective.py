@@ -27,7 +27,9 @@ greedy chain drafting on this text (train/metrics.py turns both into accept leng
 Loss: step k's soft cross-entropy -sum_v p_T(v) log q_k(v), averaged over its counted positions
 of the micro-batch, weighted w_k = decay^k and summed over steps. With a pruned draft vocabulary
 the target is the verifier's distribution restricted to the draft's tokens (t2d) and renormalised;
-top-1 agreement always compares with the verifier's argmax over the full vocabulary.
+top-1 agreement always compares with the verifier's argmax over the full vocabulary. Under
+sequence parallelism (train/sequence_parallel.py, `split_rows`) a rank runs its slice of each row
+and divides by the counted positions of the whole micro-batch: the ranks' losses add up to this one.
 
 Acceptance term (`acceptance`, dense loss only). Speculative sampling accepts a token drawn from
 the draft q with probability alpha = sum_v min(p_v, q_v) = 1 - TV(p, q), which the soft CE only
@@ -73,7 +75,10 @@ at 8k-token rows) the loss recomputes them per chunk as below. Same maths either
 
 Memory: logits exist only for `chunk` tokens at a time ([chunk, V] fp32 blocks of about
 `chunk_bytes`), in the forward and in the backward, which recomputes them (ChunkedSoftCE, and
-ChunkedTopKCE with [chunk, Vd] blocks only: no verifier logits).
+ChunkedTopKCE with [chunk, Vd] blocks only: no verifier logits). The dense loss reads each step's
+target rows of F by index, a chunk at a time. With `recompute` each TTT step's layer runs under
+torch.utils.checkpoint (model/chain.py): the forward keeps only the steps' inputs (hidden states,
+TTT cache), and the backward holds one step's activations at a time.
 """
 from __future__ import annotations
 
@@ -88,6 +93,7 @@ from model.batch import Batch
 from model.chain import draft_chain, read_rows
 from model.draft import Eagle3Draft
 from model.vocab import target_ids_of
+from train.sequence_parallel import RankShare, SequenceParallel
 
 ACCEPTANCE_KINDS = ("tv", "lk")
 # -log alpha's floor: alpha is exactly 0 in fp32 when p and q share no mass (one underflows
@@ -111,6 +117,9 @@ class ObjectiveConfig:
     target_cache_bytes: int = 0      # at most this many bytes of target probabilities kept per micro-batch
     acceptance: str | None = None    # acceptance term added to the dense loss: None | "tv" | "lk"
     acceptance_weight: float = 1.0   # its weight per counted position
+    # Each TTT step's layer forward under torch.utils.checkpoint (model/chain.py run_step): the
+    # backward recomputes it, so only the steps' inputs stay saved. Same loss and gradients.
+    recompute: bool = False
 
     def __post_init__(self) -> None:
         if self.acceptance is None:
@@ -271,7 +280,7 @@ class ChunkedSoftCE(torch.autograd.Function):
         blocks = _target_blocks(normed, head, target_head, keep, chunk, cache, acceptance is not None)
         for c in range(0, N, chunk):
             p, top = (blocks.cached_probs(cache, rows[c:c + chunk]) if cache is not None
-                      else blocks.target_probs(target_hidden[c:c + chunk], target_head, keep))
+                      else blocks.target_probs(_chunk_rows(target_hidden, rows, c, chunk), target_head, keep))
             z = blocks.logits(blocks.draft, normed[c:c + chunk], head)    # [c, Vd]
             pred = z.argmax(-1)
             correct[c:c + chunk] = (keep[pred] if keep is not None else pred) == top
@@ -305,7 +314,8 @@ class ChunkedSoftCE(torch.autograd.Function):
         for c in range(0, N, chunk):
             x = normed[c:c + chunk]
             p, _ = (blocks.cached_probs(cache, rows[c:c + chunk]) if cache is not None
-                    else blocks.target_probs(target_hidden[c:c + chunk], target_head, keep, with_top=False))
+                    else blocks.target_probs(_chunk_rows(target_hidden, rows, c, chunk), target_head, keep,
+                                             with_top=False))
             if acceptance is None:
                 dz = softmax_(blocks.logits(blocks.draft, x, head)).sub_(p).mul_(g)   # [c, Vd] d loss / d z
             else:
@@ -314,6 +324,12 @@ class ChunkedSoftCE(torch.autograd.Function):
                 dz = q.sub_(p).addcmul_(d_alpha, scale[c:c + chunk, None]).mul_(g)
             _accumulate_grads(blocks, dz, x, head, grad_x[c:c + chunk] if want_x else None, grad_w)
         return grad_x, None if grad_w is None else grad_w.to(head.dtype), None, None, None, None, None, None, None, None
+
+
+def _chunk_rows(target_hidden: Tensor, rows: Tensor | None, c: int, chunk: int) -> Tensor:
+    """The verifier states [c, H] of rows c..c+chunk: the next rows of target_hidden, or those
+    `rows` names in it."""
+    return target_hidden[c:c + chunk] if rows is None else target_hidden[rows[c:c + chunk]]
 
 
 def _ce_and_alpha_(p: Tensor, z: Tensor, q: Tensor) -> tuple[Tensor, Tensor]:
@@ -387,7 +403,9 @@ def soft_cross_entropy(normed: Tensor, head: Tensor, target_hidden: Tensor | Non
     normed [N, H]: the draft's norm output; head [Vd, H]: draft lm_head; target_hidden [N, H]:
     the verifier's final hidden states; target_head [V, H]: its lm_head; keep [Vd]: target id
     of each draft id (pruned vocabulary) or None. With a TargetCache, rows [N] (its row of each
-    of the N) replace target_hidden, and no verifier logits are computed. acceptance "tv" | "lk":
+    of the N) replace target_hidden, and no verifier logits are computed. Without one, rows [N]
+    may name each one's row in target_hidden [R, H] instead: the loss then reads them a chunk at
+    a time and keeps no [N, H] copy for the backward. acceptance "tv" | "lk":
     the sum also holds acceptance_weight times each row's acceptance term (module docstring).
     """
     check_acceptance(acceptance)
@@ -533,6 +551,20 @@ class Eagle3Objective(nn.Module):
         self.cfg = cfg
         self.register_buffer("target_head", target_head, persistent=False)      # [V, H]
         self.chunk = cfg.chunk_tokens(draft.config.vocab_size)
+        self.sequence: SequenceParallel | None = None                 # split_rows
+
+    def split_rows(self, sequence: SequenceParallel) -> None:
+        """Train every row split over `sequence`'s group (train/sequence_parallel.py): the batches
+        are its RowSlice cuts, each rank's loss its slice's share, and the attention exchanges
+        over the group. A group of one rank changes nothing."""
+        if sequence.size > 1:
+            self.sequence = sequence
+            self.draft.midlayer.self_attn.sequence_group = sequence.group
+
+    def _share(self, batch: Batch, steps: int) -> RankShare | None:
+        """Under sequence parallelism, this rank's positions of the cut batch and what each
+        step's loss is averaged over (the whole micro-batch's counted positions); else None."""
+        return None if self.sequence is None else self.sequence.share(batch, steps)
 
     @torch.no_grad()
     def cast_buffers(self, dtype: torch.dtype) -> None:
@@ -578,7 +610,10 @@ class Eagle3Objective(nn.Module):
         loss = torch.zeros((), dtype=torch.float32, device=device)
         sums, correct, counts, chain = [], [], [], []
         alive = None              # [B, T] chains started at step 0 and still all correct
-        for (k, out, counted), weight in zip(draft_chain(draft, batch, steps), self.cfg.weights(steps)):
+        share = self._share(batch, steps)
+        span = None if share is None else share.span
+        for (k, out, counted), weight in zip(draft_chain(draft, batch, steps, span, recompute=self.cfg.recompute),
+                                             self.cfg.weights(steps)):
             b, t = counted.nonzero(as_tuple=True)                           # counted positions
             if topk:                                                        # rows t+1+k: [n, k_top]
                 loss_sum, agree = topk_cross_entropy(out.normed[b, t], draft.lm_head.weight,
@@ -589,11 +624,12 @@ class Eagle3Objective(nn.Module):
                                                      self.target_head, keep, self.chunk, cache,
                                                      cache.index[b, t + 1 + k], **accept)
             else:
+                # final's rows t+1+k by index: no [n, H] copy of them per step kept for the backward
                 loss_sum, agree = soft_cross_entropy(out.normed[b, t], draft.lm_head.weight,
-                                                     final[b, t + 1 + k], self.target_head, keep, self.chunk,
-                                                     **accept)
+                                                     final.flatten(0, 1), self.target_head, keep, self.chunk,
+                                                     None, b * final.shape[1] + t + 1 + k, **accept)
             n = b.numel()
-            loss = loss + weight * loss_sum.float() / max(n, 1)
+            loss = loss + weight * loss_sum.float() / max(n if share is None else share.counted[k], 1)
             sums.append(loss_sum.detach())
             correct.append(agree.sum().double())
             counts.append(torch.tensor(float(n), dtype=torch.float64, device=device))

@@ -3,13 +3,15 @@ allocates GPUs.
 
     python -m train plan [hydra overrides of conf/train.yaml] [plan.world_size=8] [--json FILE]
     python -m train plan verifier=kimi_k2 draft=kimi_k2 deepspeed=zero3 plan.world_size=16
+    python -m train plan ... plan.world_size=8 train.max_len=131072 train.sequence_parallel=8
 
 The model, the batch and one training micro-step (forward with train.ttt.steps TTT steps, the
 chunked loss, backward) run on the meta device: shapes and dtypes are real, no memory and no
 compute is spent, so the plan for a 7168-wide draft on 8192-token rows takes seconds on a laptop.
 
-Rows, bytes per rank. Psi = trainable parameters, N = world size, p = bytes of the training dtype
-(2 in bf16, 4 in fp32). ZeRO stages as DeepSpeed's stage-1/2 and stage-3 optimizers hold them;
+Rows, bytes per rank. Psi = trainable parameters, N = world size (with sequence parallelism too,
+below), p = bytes of the training dtype (2 in bf16, 4 in fp32). ZeRO stages as DeepSpeed's
+stage-1/2 and stage-3 optimizers hold them;
 stage 0 is no ZeRO (one process, or plain data parallel with mixed-precision AdamW, as
 bench/gpu_train.py's plain step):
 
@@ -25,12 +27,15 @@ bench/gpu_train.py's plain step):
                   objective reads lm_head outside its module, so it is gathered whole for the
                   entire forward and backward: counted whole)
   micro-batch     the packed rows on the device: aux [B, T, n_aux*H] and final [B, T, H] in bf16,
-                  ids, loss mask, positions, segments
+                  ids, loss mask, positions, segments; with SP, the rank's T/SP positions of each
+                  row and the halo after them (the longest TTT chain + 1 rows, read ahead)
   activations     tensors autograd saves for the backward, at the end of the forward: measured by
                   running the real objective on meta tensors under saved_tensors_hooks and summing
                   the bytes of their storages (deduplicated; weights and the batch excluded). Every
                   position is counted by the loss (an upper bound: real rows count only the
-                  assistant's tokens)
+                  assistant's tokens). Split in two, for reference: the attention cores' (the TTT
+                  cache k/v, q, out, lse and the fp32 copies attention saves) and the per-token
+                  parts' (fc, embedding, norms, projections, MLP, loss)
   loss chunk      the chunked loss's [chunk, V] blocks (train/objective.py's _Blocks), for
                   reference: they are part of the forward/backward peak
   forward/backward peak
@@ -38,6 +43,8 @@ bench/gpu_train.py's plain step):
                   temporaries, the loss chunk, each parameter gradient until DeepSpeed moves it
                   into its buffers; measured on meta by following every storage the step creates
                   until it is freed
+  all-to-all buffers
+                  with SP: the send and receive buffers of the largest all-to-all (inside the peak)
   ZeRO-3 gathers  the largest trainable module gathered whole plus one prefetch bucket
                   (stage3_prefetch_bucket_size elements), held during forward and backward
   optimizer step  the fp32 gradient partition DeepSpeed builds for the step (4*Psi/N; stage 0:
@@ -45,6 +52,15 @@ bench/gpu_train.py's plain step):
 
   total = parameters + gradients + optimizer + frozen + micro-batch
           + max(forward/backward peak + ZeRO-3 gathers, optimizer step)
+
+Sequence parallelism (train.sequence_parallel = SP, DeepSpeed-Ulysses, train/sequence_parallel.py):
+the world forms world/SP data-parallel groups of SP ranks, each rank of a group running the draft on
+T/SP positions of every row. ZeRO partitions over every rank of the world, as the trainer's
+DeepSpeed does (its sequence-data-parallel group): N stays the world size. The step is measured as
+one rank of the group runs it (train/plan_ulysses.py): the per-token parts on T/SP positions, the
+attention core over the full T for heads/SP heads behind an all-to-all over heads, the TTT cache k/v
+kept in that layout (full T, heads/SP); the all-to-all's buffers are allocated on meta like the
+rest. The plan refuses an SP that does not divide the world size or the draft's heads.
 
 Not counted: the CUDA context and NCCL buffers (a few hundred MB to ~1 GB per GPU), the caching
 allocator's fragmentation, DeepSpeed's flat-buffer alignment padding, the DataLoader's pinned
@@ -58,7 +74,7 @@ import math
 import sys
 import weakref
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -74,6 +90,8 @@ from model.batch import Batch
 from model.draft import DraftConfig, build_draft
 from train.deepspeed_setup import precision_of
 from train.objective import Eagle3Objective, ObjectiveConfig, _Blocks
+from train import sequence_parallel
+from train.plan_ulysses import MetaAttentionCore, install_attention_cores
 
 GIB = 1024**3
 # DeepSpeed's defaults where a conf/deepspeed file leaves the key out.
@@ -130,6 +148,8 @@ class StepMemory:
     live_after_forward: int          # every storage the forward created and still holds
     peak_bytes: int                  # the step's own storages at their peak, forward + backward
     largest_saved: list[dict[str, Any]] = field(default_factory=list)   # biggest saved shapes
+    attention_saved_bytes: int = 0   # of saved_bytes, the attention cores' (cores given) and their inputs
+    largest_exchange: int = 0        # bytes of the largest tensor a sequence-parallel all-to-all sent
 
 
 def _drop_grad(p: Tensor) -> None:
@@ -137,15 +157,18 @@ def _drop_grad(p: Tensor) -> None:
     p.grad = None
 
 
-def measure_step(objective: Eagle3Objective, batch: Batch, steps: int | None = None) -> StepMemory:
+def measure_step(objective: Eagle3Objective, batch: Batch, steps: int | None = None,
+                 cores: Sequence[MetaAttentionCore] = ()) -> StepMemory:
     """One training micro-step (objective forward, backward) with its memory accounted for.
 
     Runs on any device: on meta it costs neither memory nor compute (the loss then counts every
     position: torch's meta nonzero assumes all elements set). Weights, buffers and the batch exist
     before and are not the step's; parameter gradients are dropped as soon as they are accumulated
-    (they are the gradients row)."""
+    (they are the gradients row). With the objective's attention cores (install_attention_cores),
+    what they save and the q and TTT cache they read are counted apart too."""
     owned = {_storage_key(t) for t in (*objective.parameters(), *objective.buffers(), *batch.tensors().values())}
     saved: dict[int, int] = {}
+    in_attention: set[int] = set()
     shapes: Counter[tuple[tuple[int, ...], torch.dtype]] = Counter()
 
     def pack(t: Tensor) -> Tensor:
@@ -153,6 +176,8 @@ def measure_step(objective: Eagle3Objective, batch: Batch, steps: int | None = N
         if key not in owned and key not in saved:
             saved[key] = t.untyped_storage().nbytes()
             shapes[(tuple(t.shape), t.dtype)] += 1
+            if any(core.running for core in cores):
+                in_attention.add(key)
         return t
 
     hooks = [p.register_post_accumulate_grad_hook(_drop_grad) for p in objective.parameters() if p.requires_grad]
@@ -162,6 +187,7 @@ def measure_step(objective: Eagle3Objective, batch: Batch, steps: int | None = N
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = objective(batch, steps)
             live_after_forward = live.live
+            attention = {key for key in saved if key in in_attention or any(key in c.read for c in cores)}
             out.loss.backward()
             del out
     finally:
@@ -170,7 +196,8 @@ def measure_step(objective: Eagle3Objective, batch: Batch, steps: int | None = N
     largest = [{"shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "count": n,
                 "bytes_each": math.prod(shape) * dtype.itemsize} for (shape, dtype), n in shapes.items()]
     largest.sort(key=lambda r: -r["bytes_each"] * r["count"])
-    return StepMemory(sum(saved.values()), live_after_forward, live.peak, largest[:6])
+    return StepMemory(sum(saved.values()), live_after_forward, live.peak, largest[:6],
+                      sum(saved[key] for key in attention), max((c.largest_exchange for c in cores), default=0))
 
 
 # ---- the model and batch on meta -------------------------------------------------------------
@@ -219,13 +246,28 @@ class PlanSpec:
     reduce_bucket_size: int = DS_REDUCE_BUCKET           # elements
     prefetch_bucket_size: int = DS_PREFETCH_BUCKET       # elements (ZeRO-3)
     param_persistence_threshold: int = DS_PERSISTENCE_THRESHOLD   # elements (ZeRO-3)
+    sequence_parallel: int = 1        # ranks splitting each row (Ulysses)
+    halo: int = 0                     # rows past its slice a sequence-parallel rank's cut carries
+    recompute: bool = False           # each TTT step recomputed in the backward (train.recompute)
 
     @property
     def dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.precision == "bf16" else torch.float32
 
+    @property
+    def data_parallel(self) -> int:
+        """The data-parallel groups, which take different rows: the world divided by the SP group."""
+        return self.world_size // self.sequence_parallel
+
+    @property
+    def tokens_per_rank(self) -> int:
+        """Positions of each row a rank of the sequence-parallel group runs the draft on (T/SP,
+        rounded up: the trainer pads the rows to a multiple of SP)."""
+        return -(-self.max_len // self.sequence_parallel)
+
     def objective_config(self) -> ObjectiveConfig:
-        return ObjectiveConfig(steps=self.ttt_steps, decay=self.ttt_decay, chunk_bytes=self.chunk_bytes)
+        return ObjectiveConfig(steps=self.ttt_steps, decay=self.ttt_decay, chunk_bytes=self.chunk_bytes,
+                               recompute=self.recompute)
 
 
 def spec_from_cfg(cfg: DictConfig, world_size: int) -> PlanSpec:
@@ -240,7 +282,17 @@ def spec_from_cfg(cfg: DictConfig, world_size: int) -> PlanSpec:
                     reduce_bucket_size=zero.get("reduce_bucket_size", DS_REDUCE_BUCKET),
                     prefetch_bucket_size=zero.get("stage3_prefetch_bucket_size", DS_PREFETCH_BUCKET),
                     param_persistence_threshold=zero.get("stage3_param_persistence_threshold",
-                                                         DS_PERSISTENCE_THRESHOLD))
+                                                         DS_PERSISTENCE_THRESHOLD),
+                    sequence_parallel=t.sequence_parallel, recompute=t.recompute,
+                    halo=_halo(cfg))
+
+
+def _halo(cfg: DictConfig) -> int:
+    """The rows past its slice each cut carries (train/sequence_parallel.py RowSlice): the longest
+    TTT chain, training's or the held-out one's, reads that far ahead."""
+    if cfg.train.sequence_parallel == 1:
+        return 0
+    return max(cfg.train.ttt.steps, cfg.eval.ttt_steps) + 1
 
 
 @dataclass
@@ -262,7 +314,11 @@ class MemoryPlan:
     step: StepMemory
 
     def to_json(self) -> dict[str, Any]:
-        return {"draft": self.draft, "spec": asdict(self.spec), "trainable_params": self.trainable_params,
+        # ZeRO partitions over zero_ranks (every rank, with sequence parallelism too); the
+        # data_parallel groups (world_size / sequence_parallel) take different rows.
+        spec = {**asdict(self.spec), "zero_ranks": self.spec.world_size, "data_parallel": self.spec.data_parallel,
+                "tokens_per_rank": self.spec.tokens_per_rank}
+        return {"draft": self.draft, "spec": spec, "trainable_params": self.trainable_params,
                 "frozen_params": self.frozen_params, "rows": [asdict(r) for r in self.rows],
                 "total_bytes": self.total_bytes, "total_gib": self.total_bytes / GIB,
                 "step": asdict(self.step)}
@@ -270,7 +326,11 @@ class MemoryPlan:
     def table(self) -> str:
         s = self.spec
         ranks = f"{s.world_size} rank{'' if s.world_size == 1 else 's'}"
-        head = (f"{self.draft}: {ranks}, ZeRO-{s.zero_stage}, {s.precision}, T {s.max_len} x "
+        zero = f"ZeRO-{s.zero_stage}"
+        if s.sequence_parallel > 1:
+            ranks += f" = sequence parallel {s.sequence_parallel} x {s.data_parallel} data-parallel"
+            zero += (f" over all {s.world_size} ranks, {s.tokens_per_rank} positions of each row per rank")
+        head = (f"{self.draft}: {ranks}, {zero}, {s.precision}, T {s.max_len} x "
                 f"micro-batch {s.micro_batch}, TTT {s.ttt_steps}; trainable {self.trainable_params / 1e6:.1f} M, "
                 f"frozen {self.frozen_params / 1e6:.1f} M parameters")
         width = max(len(r.name) for r in self.rows)
@@ -291,12 +351,29 @@ def _module_param_bytes(objective: nn.Module, itemsize: int) -> int:
     return max(sizes, default=0) * itemsize
 
 
+class PlanRefused(ValueError):
+    """A training layout no run can have (python -m train plan prints the reason)."""
+
+
+def check_sequence_parallel(draft_cfg: DraftConfig, spec: PlanSpec) -> None:
+    """Refuse what the trainer refuses: an SP group that does not divide the world or the draft's
+    attention heads."""
+    try:
+        sequence_parallel.check_sequence_parallel(spec.sequence_parallel, spec.world_size,
+                                                  draft_cfg.num_attention_heads)
+    except ValueError as error:
+        raise PlanRefused(f"plan.world_size={spec.world_size}: {error}") from None
+
+
 def memory_plan(draft_cfg: DraftConfig, spec: PlanSpec, name: str = "") -> MemoryPlan:
-    """The per-rank plan; the micro-step is measured on meta."""
+    """The per-rank plan; the micro-step is measured on meta (with sequence parallelism, as one rank
+    of the group runs it: train/plan_ulysses.py)."""
     if spec.zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage {spec.zero_stage}: 0 (none), 1, 2 or 3")
+    check_sequence_parallel(draft_cfg, spec)
     N, stage, p = spec.world_size, spec.zero_stage, spec.dtype.itemsize
     objective = meta_objective(draft_cfg, spec.objective_config(), spec.dtype)
+    cores = install_attention_cores(objective, spec.sequence_parallel)
     trainable = [t for t in objective.parameters() if t.requires_grad]
     frozen = [t for t in objective.parameters() if not t.requires_grad]
     psi = sum(t.numel() for t in trainable)
@@ -319,10 +396,12 @@ def memory_plan(draft_cfg: DraftConfig, spec: PlanSpec, name: str = "") -> Memor
         ", partitioned" if stage >= 1 else "")
     frozen_bytes = (sum(b.untyped_storage().nbytes() for b in objective.buffers())
                     + sum(t.untyped_storage().nbytes() for t in frozen))
-    batch = meta_batch(draft_cfg, spec.micro_batch, spec.max_len)
-    batch_bytes = sum(t.untyped_storage().nbytes() for t in batch.tensors().values())
-    step = measure_step(objective, batch, spec.ttt_steps)
-    tokens = spec.micro_batch * spec.max_len
+    # The draft runs on the rank's positions only; the halo rows are read by the shifts alone.
+    batch = meta_batch(draft_cfg, spec.micro_batch, spec.tokens_per_rank)
+    cut = meta_batch(draft_cfg, spec.micro_batch, spec.tokens_per_rank + spec.halo)
+    batch_bytes = sum(t.untyped_storage().nbytes() for t in cut.tensors().values())
+    step = measure_step(objective, batch, spec.ttt_steps, cores)
+    tokens = spec.micro_batch * spec.tokens_per_rank
     chunk_tokens = min(spec.objective_config().chunk_tokens(draft_cfg.draft_vocab_size), tokens)
     chunk = loss_chunk_bytes(draft_cfg, spec.objective_config(), tokens, spec.dtype)
     gathers = (_module_param_bytes(objective, p) + p * spec.prefetch_bucket_size) if stage == 3 else 0
@@ -334,12 +413,24 @@ def memory_plan(draft_cfg: DraftConfig, spec: PlanSpec, name: str = "") -> Memor
         PlanRow("optimizer states", optimizer, optimizer_note),
         PlanRow("frozen verifier tensors", frozen_bytes,
                 "embedding, verifier lm_head, draft norm + lm_head: whole on every rank"),
-        PlanRow("micro-batch", batch_bytes, "aux + final states (bf16), ids, masks"),
+        PlanRow("micro-batch", batch_bytes, "aux + final states (bf16), ids, masks" + (
+            f": {spec.tokens_per_rank} positions of each row + {spec.halo} read ahead"
+            if spec.sequence_parallel > 1 else "")),
         PlanRow("activations (saved)", step.saved_bytes, "saved for backward, every position counted",
                 in_total=False),
+        PlanRow("  per-token parts", step.saved_bytes - step.attention_saved_bytes,
+                f"fc, embedding, norms, projections, MLP, loss: {spec.tokens_per_rank} tokens", in_total=False),
+        PlanRow("  attention core", step.attention_saved_bytes,
+                f"TTT cache k/v + attention's saved tensors: T {spec.tokens_per_rank * spec.sequence_parallel}, "
+                f"{draft_cfg.num_attention_heads // spec.sequence_parallel} heads", in_total=False),
         PlanRow("loss chunk", chunk, f"[{chunk_tokens}, V] blocks", in_total=False),
-        PlanRow("forward/backward peak", step.peak_bytes, "activations + temporaries + loss chunk + one grad"),
+        PlanRow("forward/backward peak", step.peak_bytes, "activations + temporaries + loss chunk + one grad"
+                + (" + all-to-all buffers" if spec.sequence_parallel > 1 else "")),
     ]
+    if spec.sequence_parallel > 1:
+        rows.insert(-1, PlanRow("all-to-all buffers", 2 * step.largest_exchange,
+                                "send + receive of the largest exchange (q, k, v, out, their grads)",
+                                in_total=False))
     if stage == 3:
         rows.append(PlanRow("ZeRO-3 gathers", gathers, "largest module whole + prefetch bucket"))
     rows.append(PlanRow("optimizer step (fp32 grads)", step_grad, "after backward: max with the peak above",
@@ -377,7 +468,10 @@ def main(argv: list[str], out: Callable[[str], None] = print) -> int:
                         help="hydra overrides of conf/plan.yaml: conf/train.yaml's keys, plan.world_size=N")
     args = parser.parse_args(argv)
     cfg = plan_config(args.overrides)
-    plan = memory_plan(DraftConfig.from_conf(cfg.draft), spec_from_cfg(cfg, cfg.plan.world_size), cfg.draft.name)
+    try:
+        plan = memory_plan(DraftConfig.from_conf(cfg.draft), spec_from_cfg(cfg, cfg.plan.world_size), cfg.draft.name)
+    except PlanRefused as refused:
+        raise SystemExit(f"python -m train plan: {refused}") from None
     json_path = args.json or (Path(cfg.plan.json) if cfg.plan.json is not None else None)
     training_overrides = [item for item in args.overrides if not item.lstrip("+").startswith("plan.")]
     document = json.dumps({**plan.to_json(), "overrides": training_overrides}, indent=2)
