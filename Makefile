@@ -155,4 +155,10 @@ bench-recipe: setup
 bench-quality: setup
 	$(PY) -m bench.quality $(ARGS)
 
+# A trainer following the dump (train.follow) against dump-then-train on the same data: peak disk
+# against store.max_bytes at two bounds, wall time, held-out accept length: bench/results/follow.json.
+.PHONY: bench-follow
+bench-follow: setup
+	$(PY) -m bench.follow $(ARGS)
+
 bench: bench-dump bench-train

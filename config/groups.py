@@ -145,6 +145,16 @@ class StoreConf:
     compressor: CompressorConf
     target_chunk_bytes: int
     shard_bytes: int
+    max_bytes: Optional[int]
+    poll_s: float
+
+
+@dataclass
+class SplitConf:
+    """conf/split/default.yaml: the trainer's held-out split of a store's samples."""
+
+    heldout_fraction: float
+    heldout_seed: int
 
 
 @dataclass

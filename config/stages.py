@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 
-from config.groups import (CaptureConf, DataConf, DeepSpeedConf, DraftConf, EngineConf, StoreConf,
+from config.groups import (CaptureConf, DataConf, DeepSpeedConf, DraftConf, EngineConf, SplitConf, StoreConf,
                            VerifierConf)
 
 
@@ -44,6 +44,7 @@ class DumpJob:
     rank: Optional[int]
     world_size: Optional[int]
     regenerate: RegenerateConf
+    heldout_split: SplitConf
 
 
 # ---- conf/train.yaml (the recipe group, conf/recipe/<verifier>.yaml, fills part of `train`) ----
@@ -90,6 +91,9 @@ class TrainConf:
     loss: LossConf
     threads: Optional[int]
     sequence_parallel: int
+    follow: bool
+    follow_window: int
+    follow_poll_s: float
     pad_multiple: int
     num_workers: int
     prefetch_factor: int
@@ -103,9 +107,7 @@ class TrainConf:
 
 
 @dataclass
-class HeldoutConf:
-    heldout_fraction: float
-    heldout_seed: int
+class HeldoutConf(SplitConf):
     every: int
     ttt_steps: int
 
@@ -224,7 +226,7 @@ class BuildVerifierJob:
 
 # The schema of each conf group (config/groups.py), by group name.
 GROUP_SCHEMAS = {"verifier": VerifierConf, "draft": DraftConf, "deepspeed": DeepSpeedConf, "data": DataConf,
-                 "engine": EngineConf, "store": StoreConf, "capture": CaptureConf}
+                 "engine": EngineConf, "store": StoreConf, "capture": CaptureConf, "split": SplitConf}
 
 # The schema each conf/<name>.yaml is merged onto (its first default, `<name>_schema`).
 SCHEMAS = {"dump": DumpJob, "train": TrainJob, "plan": PlanJob, "eval": EvalJob,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import gzip
-import hashlib
 import itertools
 import json
 import logging
@@ -25,6 +24,7 @@ from importlib import resources
 from typing import Any, Literal
 
 from data.records import Origin, _Invalid, _Raw, _raw_records
+from data.split import is_held_out, split_key_for
 
 logger = logging.getLogger(__name__)
 
@@ -183,25 +183,6 @@ def read_humaneval(limit: int | None = None) -> Iterator[Conversation]:
 # ---------------------------------------------------------------- split and config
 
 
-def is_held_out(sample_id: str, fraction: float, seed: int = 0) -> bool:
-    """Whether a sample belongs to the held-out split: a pure function of (seed, id)."""
-    if not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"held-out fraction must be in [0, 1], got {fraction}")
-    digest = hashlib.sha256(f"{seed}\0{sample_id}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
-
-
-def sharegpt_split_key(sample_id: str) -> str:
-    """The conversation a ShareGPT sample was cut from: "QWJhYvA_3" -> "QWJhYvA".
-
-    The packaged file splits long conversations into numbered parts; splitting by the
-    whole id would put parts of one conversation on both sides and leak training text
-    into the held-out set.
-    """
-    base, sep, part = sample_id.rpartition("_")
-    return base if sep and base and part.isdigit() else sample_id
-
-
 def load_conversations(
     cfg: Mapping[str, Any], split: Split, stats: ReadStats | None = None
 ) -> Iterator[Conversation]:
@@ -214,7 +195,7 @@ def load_conversations(
     else:
         path = cfg["path"] if cfg["path"] is not None else _default_path(format)
         conversations = read_conversations(path, format, cfg["on_error"], stats, cfg["require_answer"])
-    split_key = sharegpt_split_key if format == "sharegpt" else (lambda sample_id: sample_id)
+    split_key = split_key_for(format)
     fraction, seed, category = cfg["heldout_fraction"], cfg["split_seed"], cfg["category"]
 
     def wanted(conversation: Conversation) -> bool:

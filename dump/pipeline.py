@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter, deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from itertools import islice
@@ -27,6 +27,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from data.conversations import Conversation, ReadStats, load_conversations
+from data.split import held_out_by
 from data.rejection import Rejection
 from data.template import SampleRejected, TokenizedSample, tokenize_conversation
 from dump.capture import CapturedSample, HiddenStateCapture, capture_spec, start_capture_engine
@@ -76,18 +77,21 @@ def token_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
 
 
 def open_writer(output_dir: str | Path, verifier: DictConfig, store: DictConfig, record: dict[str, Any],
-                rank: int | None = None, world_size: int | None = None) -> StoreWriter:
+                rank: int | None = None, world_size: int | None = None,
+                heldout: Callable[[str], bool] | None = None) -> StoreWriter:
     """The store at output_dir of `verifier`'s hidden states (conf/verifier, conf/store nodes).
 
     record: plain values store.json keeps under `dump` (the run's resolved config). A store whose
     final side is the verifier's top-k (store=compact) gets the verifier's lm_head, in float32 on
-    the GPU where there is one, to compute it."""
+    the GPU where there is one, to compute it. heldout: the trainer's held-out samples, written to
+    shards of their own; store.max_bytes bounds the shards on disk."""
     handle = Verifier.open(verifier_dir(verifier), verifier.name)
     return StoreWriter(resolve(output_dir), handle.identity,
                        list(verifier.aux_layer_ids), store, record,
                        aux_convention=verifier.aux_convention,
                        aux_capture=verifier.aux_capture,
-                       rank=rank, world_size=world_size, target_head=target_head_for(store, handle))
+                       rank=rank, world_size=world_size, target_head=target_head_for(store, handle),
+                       heldout=heldout, max_bytes=store.max_bytes, poll_s=store.poll_s)
 
 
 def target_head_for(store: DictConfig, verifier: Verifier | Path) -> torch.Tensor | None:
@@ -173,8 +177,9 @@ def run_dump(cfg: DictConfig, llm=None) -> dict[str, Any]:
         check_input(cfg.data, cfg.split)
     vdir = verifier_dir(cfg.verifier)
     tokenizer = AutoTokenizer.from_pretrained(vdir)
+    heldout = held_out_by(cfg.heldout_split.heldout_fraction, cfg.heldout_split.heldout_seed, cfg.data.format)
     writer = open_writer(cfg.output_dir, cfg.verifier, cfg.store, OmegaConf.to_container(cfg, resolve=True),
-                         cfg.rank, cfg.world_size)
+                         cfg.rank, cfg.world_size, heldout)
     done = writer.done_sample_ids()
     read_stats = ReadStats()
     # Done conversations stay in the stream: rounds and calls are cut as an uninterrupted run cut them.
@@ -209,6 +214,7 @@ def run_dump(cfg: DictConfig, llm=None) -> dict[str, Any]:
                     bar.set_postfix(tok_s=f"{tokens / elapsed:.0f}",
                                     B_tok=f"{writer.bytes_per_token():.0f}" if writer.stats.tokens else "-")
                 bar.update(todo)
+            writer.close(done=True)          # the rank's whole share: a following trainer may end
     finally:
         bar.close()
         if own_engine and llm is not None:
@@ -227,6 +233,7 @@ def run_dump(cfg: DictConfig, llm=None) -> dict[str, Any]:
         "wall_s": elapsed,
         "tokens_per_s": tokens / elapsed if elapsed else 0.0,
         "bytes_per_token": writer.bytes_per_token() if writer.stats.tokens else None,
+        "waited_for_room_s": writer.stats.waited_s,
     }
     out = Path(writer.path) / "summaries" / f"rank-{writer.rank:05d}.json"
     out.parent.mkdir(exist_ok=True)

@@ -61,6 +61,9 @@ class ShardEntry:
     # sha256 of each zarr.json, by path in the shard ("zarr.json", "aux_hidden/zarr.json", ...);
     # empty in format 1 and for a shard no manifest lists yet
     metadata_sha256: dict[str, str] = field(default_factory=dict)
+    # The shard holds only samples the trainer holds out (the dump's heldout_split): a following
+    # trainer never retires it. False in manifests written before the split was routed.
+    heldout: bool = False
 
 
 @dataclass

@@ -14,9 +14,18 @@ A store is a folder:
                                      sha256 of each of their zarr.json files) and rejected samples,
                                      rewritten atomically after each shard; the same sha256 line
     manifest/rank-00000.lock         the rank's write lock, naming the process that holds it
+    manifest/rank-00000.done         the rank has written its whole share; .waiting: its writer
+    manifest/retired.json            waits for room under store.max_bytes; retired.json: shards a
+                                     following trainer deleted, with their manifest entries
+                                     (store/progress.py, which describes these three)
 
 The shards folder is the truth and the manifests its index: a shard committed just before a
 crash, before its manifest was updated, is verified and adopted when its rank reopens the store.
+
+A manifest entry's `heldout` (and its shard's attribute of that name) says the shard holds only
+samples of the trainer's held-out split (conf/split; the writer puts them in shards of their own),
+which a following trainer never retires. Entries written before the split was routed lack it:
+False. A retired shard is gone from shards/ but stays in its rank's manifest: its samples are done.
 
 A manifest's "rejected" maps each sample id the rank rejected to its record (data/rejection.py's
 Rejection): {"kind", "file", "line", "reason"}. kind is one of RejectionKind's values ("no

@@ -15,6 +15,7 @@ from data.rejection import Rejection
 from store.durable import StoreCorruptError, _all_manifests
 from store.format import CORRUPT_PREFIX, LEGACY_VERSION, SHARDS_DIR, TMP_PREFIX
 from store.identity import StoreMismatchError
+from store.progress import completion, waiting_ranks
 from store.reader import _MAX_NAMED, ShardCorruptError, StoreReader
 
 
@@ -66,8 +67,25 @@ def _report(reader: StoreReader, verify: bool) -> dict[str, Any]:
         "reference_bytes_per_token": reference,
         "compression_ratio": logical / on_disk if on_disk else None,
         "ratio_to_reference": reference * tokens / on_disk if on_disk else None,
+        "heldout_shards": sum(e.heldout for e in entries),
+        "retired": _retired(reader),
+        "progress": _progress(reader.path),
         "problems": None if problems is None else [str(p) for p in problems],
     }
+
+
+def _retired(reader: StoreReader) -> dict[str, Any]:
+    """What a following trainer retired (store/progress.py): the store's history."""
+    retired = reader.retired.values()
+    return {"shards": len(retired), "samples": sum(len(e.sample_ids) for e in retired),
+            "tokens": sum(sum(e.num_tokens) for e in retired), "bytes": sum(e.nbytes for e in retired),
+            "names": sorted(e.name for e in retired)}
+
+
+def _progress(path: Path) -> dict[str, Any]:
+    done = completion(path)
+    return {"ranks_done": sorted(done.done), "world_size": done.world_size, "complete": done.complete,
+            "ranks_waiting_for_room": sorted(waiting_ranks(path))}
 
 
 def _hidden_shards(path: Path, prefix: str) -> list[str]:
@@ -141,6 +159,20 @@ def format_inspect(report: Mapping[str, Any]) -> str:
         rejection = Rejection.from_json(sample_id, record)
         where = f" at {rejection.where}" if rejection.where else ""
         lines.append(f"rejected      {sample_id!r}{where}, {rejection.kind}: {rejection.reason}")
+    if report["heldout_shards"]:
+        lines.append(f"held out      {report['heldout_shards']:,} of the shards hold only the trainer's "
+                     "held-out samples (never retired)")
+    retired = report["retired"]
+    if retired["shards"]:
+        lines.append(f"retired       {retired['shards']:,} shards, {retired['samples']:,} samples, "
+                     f"{retired['tokens']:,} tokens, {retired['bytes']:,} bytes: trained on by a following "
+                     "trainer and deleted (their manifest entries are kept in manifest/retired.json)")
+    progress = report["progress"]
+    if progress["world_size"] is not None:
+        lines.append(f"dump          ranks {progress['ranks_done']} of {progress['world_size']} done"
+                     + ("" if progress["complete"] else " (still being written)"))
+    if progress["ranks_waiting_for_room"]:
+        lines.append(f"waiting       ranks {progress['ranks_waiting_for_room']} wait for room under store.max_bytes")
     if report["unfinished_shards"]:
         lines.append(f"unfinished    {len(report['unfinished_shards'])} shards being written or "
                      f"left by a crash (removed when their rank resumes)")

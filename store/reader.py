@@ -18,6 +18,7 @@ from store.encoding import decode_bf16, decode_bf16_planes, decode_fp4, decode_f
 from store.format import (AUX, AUX_SCALE, FINAL, FINAL_OFFSETS, INPUT_IDS, LOSS_MASK, OFFSETS, SHARDS_DIR,
                           TARGET_IDS, TARGET_LOGPROBS, StorageSettings, _data_file)
 from store.identity import _mismatches, aux_capture_of, read_store_meta, storage_of
+from store.progress import SampleRetiredError, read_retired
 
 # Readers keep this many shards' Zarr metadata open (a trainer touches shards at random).
 _OPEN_SHARDS = 64
@@ -166,11 +167,16 @@ def _entry_of(folder: Path, metadata_sha256: Mapping[str, str] | None = None) ->
                       metadata_sha256=dict(metadata_sha256 or {}))
 
 
-def _store_index(path: Path) -> tuple[list[ShardEntry], list[Problem]]:
-    """Every committed shard, from the manifests or, for shards none lists yet, from the shard."""
+def _store_index(path: Path, retired: Mapping[str, ShardEntry] | None = None
+                 ) -> tuple[list[ShardEntry], list[Problem]]:
+    """Every committed shard not retired (store/progress.py), from the manifests or, for shards
+    none lists yet, from the shard."""
     listed = {s.name: s for m in _all_manifests(path) for s in m.shards}
+    retired = read_retired(path) if retired is None else retired
     entries, problems = [], []
     for name in _committed_shards(path):
+        if name in retired:          # recorded, not yet deleted (an interrupted retirement)
+            continue
         if name in listed:
             entries.append(listed[name])
             continue
@@ -192,7 +198,8 @@ class StoreReader:
         self.path = Path(path)
         self.meta = read_store_meta(self.path)
         self._storage = storage_of(self.meta)
-        self._entries, self._index_problems = _store_index(self.path)
+        self._refresh_retired()                       # self.retired: name -> entry (history, not data)
+        self._entries, self._index_problems = _store_index(self.path, self.retired)
         self._by_name = {entry.name: entry for entry in self._entries}
         self._refs = [SampleRef(entry.name, sample_id, i, tokens) for entry in self._entries
                       for i, (sample_id, tokens) in enumerate(zip(entry.sample_ids, entry.num_tokens))]
@@ -283,11 +290,19 @@ class StoreReader:
         return self._tokens(shard, rows, ref)
 
     def _locate(self, ref: SampleRef) -> tuple[_OpenShard, slice]:
+        if ref.shard not in self._open and not (self.path / SHARDS_DIR / ref.shard).exists():
+            self._refresh_retired()              # retired since this reader opened the store?
+        if ref.shard in self.retired or ref.sample_id in self._retired_samples:
+            raise SampleRetiredError(ref.sample_id, self._retired_samples.get(ref.sample_id, ref.shard), self.path)
         shard = self._shard(ref.shard)
         if shard.sample_ids[ref.index] != ref.sample_id:
             raise ShardCorruptError(ref.shard, None, [ref.sample_id], "the manifest and the shard "
                                     f"disagree: sample {ref.index} is {shard.sample_ids[ref.index]!r}")
         return shard, slice(int(shard.offsets[ref.index]), int(shard.offsets[ref.index + 1]))
+
+    def _refresh_retired(self) -> None:
+        self.retired = read_retired(self.path)
+        self._retired_samples = {sample: e.name for e in self.retired.values() for sample in e.sample_ids}
 
     def _tokens(self, shard: _OpenShard, rows: slice, ref: SampleRef
                 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,8 +8,9 @@ import hashlib
 import logging
 import os
 import shutil
+import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -22,13 +23,13 @@ from data.rejection import Rejection, RejectionKind
 from infra import failpoint
 from store.durable import (Manifest, ShardEntry, _all_manifests, _committed_shards, _load_manifest, _lock_rank,
                            _manifest_path, _metadata_sha256, _nbytes_on_disk, _write_manifest)
-from store.encoding import encode_bf16_planes, encode_fp4, encode_fp8, encode_topk, target_rows
-from store.format import (AUX, AUX_SCALE, CORRUPT_PREFIX, FINAL, FINAL_OFFSETS, FORMAT_VERSION, INPUT_IDS,
-                          LOSS_MASK, MANIFEST_DIR, OFFSETS, SHARDS_DIR, TARGET_IDS, TARGET_LOGPROBS,
-                          TMP_PREFIX, StorageSettings, _shard_index, _shard_rank, _write_shard, shard_name)
+from store.format import (CORRUPT_PREFIX, FORMAT_VERSION, MANIFEST_DIR, OFFSETS, SHARDS_DIR, TMP_PREFIX,
+                          StorageSettings, _shard_index, _shard_rank, _write_shard, shard_name)
 from store.identity import LEGACY_AUX_CAPTURE, _create_or_check_meta, _store_meta
+from store.progress import clear_rank_state, clear_waiting, mark_done, read_retired, set_waiting, shards_bytes
 from store.reader import ShardCorruptError, _entry_of, _problem, _store_index, _verify_shard
 from store.sealed import fsync_dir, fsync_tree
+from store.shard_buffer import Pending, ShardBuffer, checked_head, concatenate, encode_sample
 
 logger = logging.getLogger(__name__)
 
@@ -95,16 +96,7 @@ class WriterStats:
     removed_tmp: list[str] = field(default_factory=list)    # unfinished shards of a crashed run
     adopted: list[str] = field(default_factory=list)        # committed shards missing from the manifest
     quarantined: list[str] = field(default_factory=list)    # such shards that failed verification
-
-
-@dataclass
-class _Pending:
-    sample_id: str
-    arrays: dict[str, np.ndarray]  # this sample's rows of the token arrays
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays.values())
+    waited_s: float = 0.0   # time spent waiting for room under max_bytes
 
 
 class StoreWriter:
@@ -117,13 +109,23 @@ class StoreWriter:
     target_head: the verifier's lm_head [V, H], needed where the storage settings say final: topk
     (the writer stores the top-k of log_softmax(final @ target_head.T), computed on its device);
     unused otherwise.
+
+    heldout: which sample ids the trainer holds out; those go into shards of their own (manifest
+    entry `heldout`), which a following trainer never retires. None: one kind of shard.
+    max_bytes: before writing a shard, wait (polling every poll_s seconds, saying why, marked in
+    the store for a following trainer: store/progress.py) while the store's shards hold at least
+    this many bytes on disk; so the disk holds at most max_bytes plus one shard per writing rank.
+    `close(done=True)` marks the rank's share of the data complete.
     """
 
     def __init__(self, path: str | Path, identity: Mapping[str, Any], aux_layer_ids: Sequence[int],
                  storage_cfg: Mapping[str, Any], dump_cfg: Any = None, *, aux_convention: str,
                  aux_capture: str = LEGACY_AUX_CAPTURE, rank: int | None = None,
-                 world_size: int | None = None, target_head: torch.Tensor | None = None):
+                 world_size: int | None = None, target_head: torch.Tensor | None = None,
+                 heldout: Callable[[str], bool] | None = None, max_bytes: int | None = None,
+                 poll_s: float = 1.0):
         self.path = Path(path)
+        self._heldout, self.max_bytes, self.poll_s = heldout, max_bytes, poll_s
         self.rank, self.world_size = dist_env(rank, world_size)
         self.storage = StorageSettings.from_cfg(storage_cfg)
         wanted = _store_meta(identity, aux_layer_ids, aux_convention, aux_capture, self.storage,
@@ -133,7 +135,7 @@ class StoreWriter:
         self.hidden_size = int(wanted["verifier"]["hidden_size"])
         self.vocab_size = int(wanted["verifier"]["vocab_size"])
         self.num_aux = len(wanted["aux_layer_ids"])
-        self._target_head = _checked_head(self.storage, target_head, self.hidden_size, self.vocab_size)
+        self._target_head = checked_head(self.storage, target_head, self.hidden_size, self.vocab_size)
         self.stats = WriterStats()
         self._lock: IO[bytes] | None = None
         try:
@@ -146,9 +148,7 @@ class StoreWriter:
                                       self.path) from error
             raise
         self._next_index = 1 + max((_shard_index(s.name) for s in self._manifest.shards), default=-1)
-        self._pending: list[_Pending] = []
-        self._pending_ids: set[str] = set()
-        self._pending_bytes = 0
+        self._buffers = {False: ShardBuffer(False), True: ShardBuffer(True)}
         self._closed = False
 
     # -- opening and resuming ------------------------------------------------------------------
@@ -160,6 +160,7 @@ class StoreWriter:
             folder.mkdir(parents=True, exist_ok=True)
         self.meta = _create_or_check_meta(self.path, wanted)
         self._lock = _lock_rank(self.path, self.rank)
+        clear_rank_state(self.path, self.rank)         # being written: not done, not waiting
         self._manifest = self._recover()
         self._done = _done_ids(self.path)
 
@@ -173,7 +174,7 @@ class StoreWriter:
         manifest = _load_manifest(self.path, self.rank)
         on_disk = {n for n in _committed_shards(self.path) if _shard_rank(n) == self.rank}
         listed = {s.name for s in manifest.shards}
-        lost = listed - on_disk
+        lost = listed - on_disk - set(read_retired(self.path))   # retired shards are done, not lost
         if lost:  # someone deleted shards: their samples are not done, redo them
             logger.warning("store %s: shards %s are listed but missing; their samples will be "
                            "written again", self.path, sorted(lost))
@@ -239,10 +240,9 @@ class StoreWriter:
         if rejection is not None:
             self._record_rejection(rejection)
             return False
-        pending = _Pending(sample_id, self._encode(ids, mask, aux_t, final_t))
-        self._pending.append(pending)
-        self._pending_ids.add(sample_id)
-        self._pending_bytes += pending.nbytes
+        heldout = self._heldout is not None and self._heldout(sample_id)
+        arrays = encode_sample(self.storage, self._target_head, ids, mask, aux_t, final_t)
+        self._buffers[heldout].add(Pending(sample_id, arrays))
         return True
 
     def commit_if_full(self) -> bool:
@@ -251,10 +251,14 @@ class StoreWriter:
         The caller chooses where shards may end: calling this only between batches of its work
         means a resumed run restarts on a batch boundary and forms the same batches again.
         """
-        if self._pending_bytes < self.storage.shard_bytes:
-            return False
-        self._commit()
-        return True
+        train, held = self._buffers[False], self._buffers[True]
+        # Held-out samples are committed with the training shard of their calls (a small shard),
+        # so a resumed dump redoes no more calls than one shard's worth.
+        full = [b for b in (train, held) if b.nbytes >= self.storage.shard_bytes
+                or (b is held and b.samples and train.nbytes >= self.storage.shard_bytes)]
+        for buffer in full:
+            self._commit(buffer)
+        return bool(full)
 
     def bytes_per_token(self) -> float:
         """Bytes on disk per token of the shards this writer committed (0 before the first)."""
@@ -266,7 +270,7 @@ class StoreWriter:
         if not self.owns(sample_id):
             raise ValueError(f"sample {sample_id!r} belongs to rank "
                              f"{rank_of(sample_id, self.world_size)}, not {self.rank}")
-        if sample_id in self._done or sample_id in self._pending_ids:
+        if sample_id in self._done or any(sample_id in b.ids for b in self._buffers.values()):
             raise ValueError(f"sample {sample_id!r} is already in the store {self.path}")
 
     def _check_shapes(self, sample_id: str, ids: torch.Tensor, mask: torch.Tensor,
@@ -295,55 +299,23 @@ class StoreWriter:
         self._manifest.rejected[rejection.sample] = rejection  # recorded with the next manifest write
         self._done.add(rejection.sample)
 
-    def _encode(self, ids: torch.Tensor, mask: torch.Tensor, aux: torch.Tensor,
-                final: torch.Tensor) -> dict[str, np.ndarray]:
-        # Copies (the caller may reuse its buffers), as every encode_* function makes too.
-        arrays = {INPUT_IDS: ids.to("cpu", torch.int32, copy=True).numpy(),
-                  LOSS_MASK: mask.to("cpu", torch.bool, copy=True).numpy()}
-        arrays.update(self._encode_aux(aux))
-        if self.storage.final_rows == "loss":  # the rows a training loss reads, no others
-            final = final[target_rows(mask).to(final.device)]
-        arrays.update(self._encode_final(final))
-        return arrays
-
-    def _encode_aux(self, aux: torch.Tensor) -> dict[str, np.ndarray]:
-        encoding = self.storage.aux
-        if encoding == "fp32":
-            return {AUX: aux.to("cpu", torch.float32, copy=True).numpy()}
-        if encoding == "fp8":
-            codes, scale = encode_fp8(aux)
-            return {AUX: codes, AUX_SCALE: scale}
-        if encoding == "fp4":
-            codes, scale = encode_fp4(aux, self.storage.fp4_block)
-            return {AUX: codes, AUX_SCALE: scale}
-        return {AUX: encode_bf16_planes(aux)}
-
-    def _encode_final(self, final: torch.Tensor) -> dict[str, np.ndarray]:
-        encoding = self.storage.final
-        if encoding == "topk":
-            assert self._target_head is not None  # _checked_head made sure
-            ids, logprobs = encode_topk(final, self._target_head, self.storage.topk)
-            return {TARGET_IDS: ids, TARGET_LOGPROBS: logprobs}
-        if encoding == "fp32":
-            return {FINAL: final.to("cpu", torch.float32, copy=True).numpy()}
-        return {FINAL: encode_bf16_planes(final)}
-
-    def _commit(self) -> None:
-        """Write the buffered samples as one shard: tmp folder, fsync, rename (the commit point),
+    def _commit(self, buffer: ShardBuffer) -> None:
+        """Write a buffer's samples as one shard: tmp folder, fsync, rename (the commit point),
         then the manifest. A write the disk refuses stops the writer with StoreWriteError."""
+        self._wait_for_room()
         name = shard_name(self.rank, self._next_index)
         final_folder = self.path / SHARDS_DIR / name
         tmp_folder = final_folder.with_name(TMP_PREFIX + name)
-        arrays = _concatenate(self._pending, self.storage)
+        arrays = concatenate(buffer.samples, self.storage)
         try:
-            metadata = self._write_tmp_shard(tmp_folder, arrays)
+            metadata = self._write_tmp_shard(tmp_folder, arrays, buffer)
             failpoint("store.shard.before_rename")
             os.rename(tmp_folder, final_folder)  # the commit point
         except OSError as error:
             shutil.rmtree(tmp_folder, ignore_errors=True)  # gives back the space it took
             raise self._stop(error, name, committed=False) from error
-        entry = ShardEntry(name, [p.sample_id for p in self._pending],
-                           np.diff(arrays[OFFSETS]).tolist(), 0, metadata)
+        entry = ShardEntry(name, [p.sample_id for p in buffer.samples],
+                           np.diff(arrays[OFFSETS]).tolist(), 0, metadata, buffer.heldout)
         try:
             fsync_dir(final_folder.parent)
             failpoint("store.shard.after_rename")
@@ -352,13 +324,32 @@ class StoreWriter:
             _write_manifest(self.path, self._manifest)
         except OSError as error:
             raise self._stop(error, name, committed=True) from error
-        self._after_commit(entry)
+        self._after_commit(entry, buffer)
 
-    def _write_tmp_shard(self, folder: Path, arrays: Mapping[str, np.ndarray]) -> dict[str, str]:
+    def _wait_for_room(self) -> None:
+        """Under max_bytes: wait while the store's shards fill it (a following trainer retires
+        them), marked in the store and said once per wait."""
+        if self.max_bytes is None:
+            return
+        began, said = time.monotonic(), False
+        while (held := shards_bytes(self.path)) >= self.max_bytes:
+            if not said:
+                set_waiting(self.path, self.rank, held, self.max_bytes)
+                logger.warning("store %s: rank %d waits: its shards hold %d bytes, store.max_bytes is %d; "
+                               "a following trainer (train.follow) retires the shards it has trained on",
+                               self.path, self.rank, held, self.max_bytes)
+                said = True
+            time.sleep(self.poll_s)
+        if said:
+            clear_waiting(self.path, self.rank)
+            self.stats.waited_s += time.monotonic() - began
+
+    def _write_tmp_shard(self, folder: Path, arrays: Mapping[str, np.ndarray], buffer: ShardBuffer) -> dict[str, str]:
         """The shard written and flushed under its tmp name; the sha256 of its zarr.json files."""
         name = folder.name.removeprefix(TMP_PREFIX)
         attributes = {"format_version": FORMAT_VERSION, "shard": name, "rank": self.rank,
-                      "sample_ids": [p.sample_id for p in self._pending], **self._shard_attributes}
+                      "sample_ids": [p.sample_id for p in buffer.samples], "heldout": buffer.heldout,
+                      **self._shard_attributes}
         _write_shard(folder, arrays, attributes, self.storage)
         fsync_tree(folder)
         return _metadata_sha256(folder)
@@ -372,7 +363,7 @@ class StoreWriter:
                                self.path)
 
     def _write_failure(self, error: OSError, shard: str | None, committed: bool) -> str:
-        cause, n = _cause(error), len(self._pending)
+        cause, n = _cause(error), self._buffered()
         if not committed:
             what = (f"shard {shard} was not committed ({cause}): its {n} samples are not in the "
                     "store and are written again on resume")
@@ -389,27 +380,35 @@ class StoreWriter:
                 f"{_remedy(error.errno)} and rerun the same command: it continues after the last "
                 "committed shard")
 
-    def _after_commit(self, entry: ShardEntry) -> None:
+    def _buffered(self) -> int:
+        return sum(len(b.samples) for b in self._buffers.values())
+
+    def _after_commit(self, entry: ShardEntry, buffer: ShardBuffer) -> None:
         self.stats.samples += len(entry.sample_ids)
         self.stats.tokens += sum(entry.num_tokens)
         self.stats.bytes += entry.nbytes
         self.stats.shards += 1
         self._done.update(entry.sample_ids)
         self._next_index += 1
-        self._pending, self._pending_ids, self._pending_bytes = [], set(), 0
+        buffer.clear()
 
-    def close(self) -> WriterStats:
-        """Commit the last, partial shard and record rejections; the writer cannot add after."""
+    def close(self, done: bool = False) -> WriterStats:
+        """Commit the last, partial shards and record rejections; the writer cannot add after.
+        done: the caller has given this rank every sample of its share (store/progress.py)."""
         if self._closed:
             return self.stats
         try:
-            if self._pending:
-                self._commit()
-            elif self.stats.rejected:
+            pending = [b for b in self._buffers.values() if b.samples]
+            for buffer in pending:
+                self._commit(buffer)
+            if not pending and self.stats.rejected:
                 try:
                     _write_manifest(self.path, self._manifest)
                 except OSError as error:
                     raise self._stop(error, None, committed=True) from error
+            if done:
+                mark_done(self.path, self.rank, self.world_size, len(self._manifest.shards),
+                          sum(len(s.sample_ids) for s in self._manifest.shards))
         finally:  # a failed last commit leaves the store as a crash would, and frees the rank
             self._closed = True
             if self._lock is not None:
@@ -428,7 +427,7 @@ class StoreWriter:
         # The caller failed between two of the points where it lets a shard end: leave the store
         # as a crash would, so that a resumed run redoes exactly the uncommitted samples.
         logger.warning("store %s: %d buffered samples not committed after %s", self.path,
-                       len(self._pending), error_type.__name__)
+                       self._buffered(), error_type.__name__)
         self._closed = True
         if self._lock is not None:
             self._lock.close()
@@ -447,46 +446,11 @@ def _rejection(sample_id: str, origin: Origin | None, ids: torch.Tensor, aux: to
     return Rejection(RejectionKind.NON_FINITE, sample_id, "; ".join(reasons), origin) if reasons else None
 
 
-def _checked_head(storage: StorageSettings, head: torch.Tensor | None, hidden_size: int,
-                  vocab_size: int) -> torch.Tensor | None:
-    """What the storage settings need of the verifier's shapes, checked before anything is
-    written; the lm_head as encode_topk uses it (float32, on its device), where final is topk."""
-    if storage.aux == "fp4" and (hidden_size % 2 or hidden_size % storage.fp4_block):
-        raise ValueError(f"storage mode {storage.mode!r}: aux fp4 needs fp4_block "
-                         f"({storage.fp4_block}) to divide the hidden size {hidden_size}, and an "
-                         "even hidden size")
-    if storage.final != "topk":
-        return None
-    if storage.topk > vocab_size:
-        raise ValueError(f"storage mode {storage.mode!r}: topk {storage.topk} is more than the "
-                         f"vocabulary of {vocab_size} tokens")
-    if head is None:
-        raise ValueError(f"storage mode {storage.mode!r} stores the verifier's top-{storage.topk} "
-                         "next-token distribution (final: topk): pass StoreWriter the verifier's "
-                         "lm_head [V, H] as target_head")
-    if tuple(head.shape) != (vocab_size, hidden_size):
-        raise ValueError(f"target_head has shape {tuple(head.shape)}; the verifier's lm_head is "
-                         f"[vocab_size, hidden_size] = [{vocab_size}, {hidden_size}]")
-    return head.detach().float()  # a no-op for a float32 head
-
-
-def _concatenate(pending: Sequence[_Pending], storage: StorageSettings) -> dict[str, np.ndarray]:
-    arrays = {name: np.concatenate([p.arrays[name] for p in pending])
-              for name in pending[0].arrays}
-    arrays[OFFSETS] = _offsets([len(p.arrays[INPUT_IDS]) for p in pending])
-    if storage.final_rows == "loss":  # each sample's share of the compacted final side
-        final_side = storage.final_arrays()[0]
-        arrays[FINAL_OFFSETS] = _offsets([len(p.arrays[final_side]) for p in pending])
-    return arrays
-
-
-def _offsets(lengths: Sequence[int]) -> np.ndarray:
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-
-
 def _done_ids(path: Path) -> set[str]:
-    entries, _ = _store_index(path)
-    done = {sample_id for entry in entries for sample_id in entry.sample_ids}
+    """Committed (retired ones too: trained on, not lost) and rejected sample ids."""
+    retired = read_retired(path)
+    entries, _ = _store_index(path, retired)
+    done = {sample_id for entry in [*entries, *retired.values()] for sample_id in entry.sample_ids}
     for manifest in _all_manifests(path):
         done.update(manifest.rejected)
     return done

@@ -38,26 +38,26 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from data.conversations import is_held_out, sharegpt_split_key
+from data.split import held_out_by
 from data.packing import pack_next_fit
 from model.batch import Batch, RowSample, collate_rows, pack_row
 from store import Sample, SampleRef, StoreReader
 
 
 # ---- split -------------------------------------------------------------------------------
-def split_key_of(reader: StoreReader) -> Callable[[str], str]:
-    """Sample id -> the conversation it belongs to (ShareGPT cuts conversations into parts)."""
+def held_out_rule(reader: StoreReader, fraction: float, seed: int) -> Callable[[str], bool]:
+    """The held-out predicate on the store's sample ids (data/conversations.py held_out_by, with
+    the conversation key of the data the store was dumped from)."""
     data = reader.dump_config.get("data") or {}
-    return sharegpt_split_key if data.get("format") == "sharegpt" else (lambda sample_id: sample_id)
+    return held_out_by(fraction, seed, data.get("format"))
 
 
-def split_samples(refs: Sequence[SampleRef], fraction: float, seed: int,
-                  key: Callable[[str], str]) -> tuple[list[SampleRef], list[SampleRef]]:
+def split_samples(refs: Sequence[SampleRef], heldout: Callable[[str], bool]) -> tuple[list[SampleRef], list[SampleRef]]:
     """(train, held-out) refs, in store order."""
-    train, heldout = [], []
+    train, held = [], []
     for ref in refs:
-        (heldout if is_held_out(key(ref.sample_id), fraction, seed) else train).append(ref)
-    return train, heldout
+        (held if heldout(ref.sample_id) else train).append(ref)
+    return train, held
 
 
 # ---- packing (rows: data/packing.py pack_next_fit) ---------------------------------------
@@ -171,8 +171,7 @@ class StoreSplit:
     @classmethod
     def open(cls, path: Path, heldout_fraction: float, heldout_seed: int) -> StoreSplit:
         reader = StoreReader(path)
-        train, heldout = split_samples(reader.samples(), heldout_fraction, heldout_seed,
-                                       split_key_of(reader))
+        train, heldout = split_samples(reader.samples(), held_out_rule(reader, heldout_fraction, heldout_seed))
         return cls(Path(path), reader, train, heldout)
 
     def with_train_fraction(self, fraction: float) -> StoreSplit:

@@ -65,7 +65,7 @@ def deepspeed_config(cfg: DictConfig) -> dict[str, Any]:
     }
 
 
-def warmup_steps_of(train: DictConfig, total_steps: int) -> int:
+def warmup_steps_of(train: DictConfig, total_steps: int | None) -> int:
     """Warmup length in optimizer steps: train.warmup_steps, or train.warmup_ratio of the run's
     total_steps rounded up (recipes give one of the two, the other null)."""
     steps, ratio = train.warmup_steps, train.warmup_ratio
@@ -76,22 +76,29 @@ def warmup_steps_of(train: DictConfig, total_steps: int) -> int:
         return steps
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"train.warmup_ratio {ratio} is not a fraction in [0, 1]")
+    if total_steps is None:
+        raise ValueError(f"train.warmup_ratio {ratio} needs the run's length, which a run following a dump "
+                         "(train.follow) does not know: set train.warmup_steps (and train.warmup_ratio=null), "
+                         "or train.steps")
     return math.ceil(ratio * total_steps)
 
 
-def lr_factor(warmup_steps: int, total_steps: int, min_ratio: float) -> Callable[[int], float]:
+def lr_factor(warmup_steps: int, total_steps: int | None, min_ratio: float) -> Callable[[int], float]:
     """Multiplier of the peak lr at optimizer step s (0-based): linear warmup from 1/warmup to 1
-    over warmup_steps, then cosine down to min_ratio at the last step."""
+    over warmup_steps, then cosine down to min_ratio at the last step. total_steps None (a run that
+    follows a dump, its length unknown): the peak after warmup."""
     def factor(s: int) -> float:
         if s < warmup_steps:
             return (s + 1) / warmup_steps
+        if total_steps is None:
+            return 1.0
         span = max(1, total_steps - warmup_steps - 1)
         progress = min(1.0, (s - warmup_steps) / span)
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
     return factor
 
 
-def initialize(objective: Eagle3Objective, cfg: DictConfig, total_steps: int, mpu: Any = None):
+def initialize(objective: Eagle3Objective, cfg: DictConfig, total_steps: int | None, mpu: Any = None):
     """The DeepSpeed engine training the draft's trainable parameters. mpu: DeepSpeed's
     sequence-parallel groups (train/sequence_parallel.py SequenceParallel.mpu), None without: with
     them ZeRO reduces and partitions over every rank and averages over the data-parallel groups."""

@@ -13,6 +13,7 @@ draft. Every `*_every` setting of 0 means "at the end only".
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -36,12 +37,14 @@ from model.draft import DraftConfig, build_draft
 from model.compatibility import check_compatible
 from model.verifier_handle import Verifier
 from model.vocab import build_draft_vocab, count_tokens
+from store import STORE_META
 from train.batches import (PackedRows, StoreSplit, check_split_sizes, iterate_token_masks,
                            make_loader, rank_rows, store_keeps_topk)
 from train.checkpoints import load_checkpoint
 from train.deepspeed_setup import initialize, precision_of, zero_stage
 from train.distributed import all_reduce_sum, broadcast_object, check_finite, init_distributed, on_rank0
 from train.export import draft_from_state, gathered_draft_state
+from train.follow import FollowSchedule, check_follow_split, follow_summary, wait_for_store, whole_store
 from train.heldout import evaluate
 from train.metrics import RunLog, step_metrics
 from train.objective import Eagle3Objective, ObjectiveConfig, StepStats
@@ -59,7 +62,7 @@ class RunSetup:
     split: StoreSplit
     verifier: Verifier          # read once per process: model/verifier_handle.py
     d2t: torch.Tensor | None
-    total_steps: int
+    total_steps: int | None     # None: following a dump (train.follow), the length is not known yet
     rows_per_step: int
     topk: bool = False          # the store keeps top-k targets, not final states: no verifier head
 
@@ -101,7 +104,7 @@ def _check_settings(cfg: DictConfig) -> None:
         raise ValueError("cannot train with " + "; ".join(problems))
 
 
-def _due(every: int | None, done: int, total: int) -> bool:
+def _due(every: int | None, done: int, total: int | None) -> bool:
     """Whether a periodic action (log, checkpoint) runs after step `done`: every `every` steps and
     at the last one; every 0 or null: at the last one only."""
     return done == total or (bool(every) and done % int(every) == 0)
@@ -113,25 +116,42 @@ def prepare(cfg: DictConfig, run_dir: Path, world_size: int) -> RunSetup:
     # (also when resuming: the run was built so).
     init_from = cfg.train.init_from
     draft_cfg = draft_config_for_run(cfg.draft, verifier, resolve(init_from) if init_from else None)
+    t = cfg.train
+    if t.follow:
+        wait_for_store(resolve(cfg.store_dir), t.follow_poll_s, lambda path: (path / STORE_META).exists())
     split = StoreSplit.open(resolve(cfg.store_dir), cfg.eval.heldout_fraction, cfg.eval.heldout_seed)
-    split = split.with_train_fraction(cfg.train.train_fraction)
+    split = split.with_train_fraction(t.train_fraction)
     # Before any compute: the store, the draft and the verifier folder, every disagreement at once.
     check_compatible(verifier=verifier, draft=draft_cfg, store=split.reader, aux_capture=cfg.draft.aux_capture)
-    t = cfg.train
     _check_settings(cfg)
     rows_per_step = t.micro_batch * t.grad_accum * world_size
-    sizes = split.sizes(t.max_len, cfg.seed, rows_per_step, world_size)
-    for warning in check_split_sizes(sizes, cfg.eval.heldout_fraction, t.max_len):
-        if dist.get_rank() == 0:
-            logger.warning("%s", warning)
-    if t.steps is not None:
+    if t.follow:
+        _check_follow(cfg, split, draft_cfg)
         total = t.steps
     else:
-        total = math.ceil(t.epochs * sizes.epoch_rows / rows_per_step)
+        sizes = split.sizes(t.max_len, cfg.seed, rows_per_step, world_size)
+        for warning in check_split_sizes(sizes, cfg.eval.heldout_fraction, t.max_len):
+            if dist.get_rank() == 0:
+                logger.warning("%s", warning)
+        total = t.steps if t.steps is not None else math.ceil(t.epochs * sizes.epoch_rows / rows_per_step)
     d2t = _pruned_vocab(draft_cfg, split, run_dir, verifier) if draft_cfg.pruned else None
     if dist.get_rank() == 0:
         RunFolder(run_dir).draft_config.write_text(json.dumps(draft_config_json(draft_cfg), indent=2) + "\n")
     return RunSetup(draft_cfg, split, verifier, d2t, total, rows_per_step, store_keeps_topk(split.reader))
+
+
+def _check_follow(cfg: DictConfig, split: StoreSplit, draft_cfg: DraftConfig) -> None:
+    """What a run that follows a dump cannot do, refused before compute."""
+    problems = []
+    if draft_cfg.pruned:
+        problems.append(f"draft.draft_vocab_size={draft_cfg.draft_vocab_size} counts the tokens of the whole "
+                        "training split, which a followed store does not hold yet (use the full vocabulary, or "
+                        "train.init_from a draft with its vocabulary)")
+    if cfg.train.train_fraction != 1:
+        problems.append(f"train.train_fraction={cfg.train.train_fraction} picks from the whole training split")
+    if problems:
+        raise ValueError("cannot train with train.follow=true: " + "; ".join(problems))
+    check_follow_split(split.reader, (cfg.eval.heldout_fraction, cfg.eval.heldout_seed))
 
 
 def build_objective(setup: RunSetup, cfg: DictConfig, resuming: bool = False) -> Eagle3Objective:
@@ -208,6 +228,13 @@ def export_run(engine, setup: RunSetup, run: RunFolder, dtype: torch.dtype) -> s
     return out
 
 
+def follow_schedule(cfg: DictConfig, run: RunFolder, setup: RunSetup, rank: int) -> FollowSchedule:
+    t = cfg.train
+    return FollowSchedule(setup.split.path, run.follow, window=t.follow_window, poll_s=t.follow_poll_s,
+                          epochs=t.epochs, max_len=t.max_len, seed=cfg.seed, rows_per_step=setup.rows_per_step,
+                          heldout=(cfg.eval.heldout_fraction, cfg.eval.heldout_seed), rank=rank)
+
+
 def fit(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Train (or resume) one run into run_dir; returns the summary."""
     if cfg.train.threads:
@@ -231,53 +258,78 @@ def fit(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     last_ckpt = resume_from
     log = RunLog(run.metrics, run.tensorboard, rank == 0, start)
 
-    stream = setup.split.train_stream(t.max_len, cfg.seed)
-    plan = rank_rows(stream, start, setup.total_steps, t.micro_batch, accum, sequence.data_rank,
-                     sequence.data_world)
-    rows = PackedRows(setup.split.path, setup.split.train, [r for _, r in plan], t.max_len,
-                      t.loss.last_turn_only)
-    batches = iter(make_loader(rows, t.micro_batch, t.num_workers, t.prefetch_factor,
-                               t.pad_multiple * sequence.size, sequence.slicer))
+    schedule = follow_schedule(cfg, run, setup, rank) if t.follow else None
+    if schedule is not None:
+        schedule.retire_through(start)        # a run killed between its checkpoint and the retirement
+        segments = schedule.segments(start)
+    else:
+        segments = whole_store(setup.split.train, setup.split.train_stream(t.max_len, cfg.seed),
+                               setup.total_steps, [])
     rows_per_rank_step = accum * t.micro_batch
-    bar = tqdm(total=setup.total_steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
-               disable=rank != 0)
+    total = setup.total_steps                          # None while following: only the dump knows
+    bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True, disable=rank != 0)
     heldout: dict[str, float] = {}
-    evaluating = bool(setup.split.heldout)             # none held out: skipped (prepare warned)
-    tokens_total, time_total = 0.0, 0.0
+    # None held out: skipped (prepare warned). Following, the held-out set grows with the store:
+    # evaluated once, at the end.
+    evaluating = bool(setup.split.heldout) and schedule is None
+    tokens_total, time_total, saved, done = 0.0, 0.0, start, start
     try:
-        for step in range(start, setup.total_steps):
-            lr = engine.get_lr()[0]                        # the lr this step applies
-            began = time.perf_counter()
-            stats, loss, tokens = train_step(engine, batches, accum, K, step, last_ckpt, sequence)
-            elapsed = time.perf_counter() - began
-            tokens_total, time_total = tokens_total + tokens, time_total + elapsed
-            done = step + 1
-            grad_norm = engine.get_global_grad_norm()
-            record = {"loss": loss, **step_metrics(stats), "lr": lr,
-                      "grad_norm": None if grad_norm is None else float(grad_norm),
-                      "tokens": tokens, "tokens_per_s": tokens / elapsed,
-                      # This process's resident memory now and at its peak (DataLoader workers apart).
-                      "rss_bytes": process_memory_bytes("VmRSS"), "peak_rss_bytes": process_memory_bytes("VmHWM"),
-                      "epoch": plan[(done - start) * rows_per_rank_step - 1][0]}
-            if _due(t.log_every, done, setup.total_steps):
-                log.write("train", done, record)
-            bar.update(1)
-            failpoint("train.step.done")
-            bar.set_postfix(loss=f"{loss:.3f}", acc0=f"{record['acc_0']:.3f}", tok_s=f"{tokens / elapsed:.0f}")
-            if _due(t.checkpoint_every, done, setup.total_steps):
-                last_ckpt = run.save_checkpoint(engine, done, t.keep_checkpoints, {"loss": loss}, setup.verifier.path)
-            if evaluating and done < setup.total_steps and _due(cfg.eval.every, done, setup.total_steps):
-                heldout = evaluate_and_log(engine, setup, cfg, rank, sequence, log, done, bar)
+        for segment in segments:
+            first = max(start, segment.first_step)
+            plan = rank_rows(segment.stream, first - segment.first_step, segment.steps, t.micro_batch, accum,
+                             sequence.data_rank, sequence.data_world)
+            rows = PackedRows(setup.split.path, segment.refs, [r for _, r in plan], t.max_len,
+                              t.loss.last_turn_only)
+            batches = iter(make_loader(rows, t.micro_batch, t.num_workers, t.prefetch_factor,
+                                       t.pad_multiple * sequence.size, sequence.slicer))
+            for step in range(first, segment.end):
+                lr = engine.get_lr()[0]                        # the lr this step applies
+                began = time.perf_counter()
+                stats, loss, tokens = train_step(engine, batches, accum, K, step, last_ckpt, sequence)
+                elapsed = time.perf_counter() - began
+                tokens_total, time_total = tokens_total + tokens, time_total + elapsed
+                done = step + 1
+                grad_norm = engine.get_global_grad_norm()
+                record = {"loss": loss, **step_metrics(stats), "lr": lr,
+                          "grad_norm": None if grad_norm is None else float(grad_norm),
+                          "tokens": tokens, "tokens_per_s": tokens / elapsed,
+                          # This process's resident memory now and at its peak (DataLoader workers apart).
+                          "rss_bytes": process_memory_bytes("VmRSS"), "peak_rss_bytes": process_memory_bytes("VmHWM"),
+                          "epoch": plan[(done - first) * rows_per_rank_step - 1][0], "segment": segment.index}
+                if _due(t.log_every, done, total):
+                    log.write("train", done, record)
+                bar.update(1)
+                failpoint("train.step.done")
+                bar.set_postfix(loss=f"{loss:.3f}", acc0=f"{record['acc_0']:.3f}", tok_s=f"{tokens / elapsed:.0f}")
+                if _due(t.checkpoint_every, done, total):
+                    last_ckpt, saved = run.save_checkpoint(engine, done, t.keep_checkpoints, {"loss": loss},
+                                                           setup.verifier.path), done
+                if evaluating and done < total and _due(cfg.eval.every, done, total):
+                    heldout = evaluate_and_log(engine, setup, cfg, rank, sequence, log, done, bar)
+            if schedule is not None:
+                # The window's shards go only once a durable checkpoint is past them.
+                if saved != segment.end:
+                    last_ckpt, saved = run.save_checkpoint(engine, segment.end, t.keep_checkpoints, {"loss": loss},
+                                                           setup.verifier.path), segment.end
+                failpoint("train.window.checkpointed")
+                schedule.retire_through(segment.end)
+        if schedule is not None:
+            # The dump is done: the held-out samples of the whole store, for the final evaluation.
+            total = done
+            setup = dataclasses.replace(setup, split=StoreSplit.open(setup.split.path, cfg.eval.heldout_fraction,
+                                                                     cfg.eval.heldout_seed))
+            evaluating = bool(setup.split.heldout)
         # The final evaluation (also of a resumed run that had already finished) after the export:
         # whatever it meets, the trained draft is on disk.
         exported = export_run(engine, setup, run, getattr(torch, t.export_dtype)) if t.export else None
         if evaluating:
-            heldout = evaluate_and_log(engine, setup, cfg, rank, sequence, log, max(start, setup.total_steps), bar)
+            heldout = evaluate_and_log(engine, setup, cfg, rank, sequence, log, max(start, total), bar)
     finally:
         bar.close()
         log.close()
     summary = {"run_dir": str(run.root), "rank": rank, "world_size": world,
-               "sequence_parallel": sequence.size, "steps": setup.total_steps,
+               "sequence_parallel": sequence.size, "steps": total,
+               "follow": follow_summary(schedule) if schedule is not None else None,
                "resumed_from": str(resume_from) if resume_from else None, "zero_stage": zero_stage(engine),
                "precision": precision_of(t.precision), "train_tokens_per_s": tokens_total / time_total if time_total else None,
                "heldout": heldout, "exported": exported, "last_checkpoint": str(last_ckpt) if last_ckpt else None,

@@ -7,6 +7,7 @@ carries so that it exports (or resumes) from its own folder alone:
         tensorboard/               the same numbers as TensorBoard scalars
         draft_config.json          the draft's config.json (model.checkpoint.draft_config_json)
         vocab.safetensors          d2t of a pruned draft vocabulary (absent for the full one)
+        follow.json                the windows of a run following a dump (train/follow.py)
         checkpoints/step-N/        DeepSpeed's files, copies of draft_config.json and
                                    vocab.safetensors, complete.json (train/checkpoints.py; its
                                    marker also records the verifier folder)
@@ -39,6 +40,7 @@ VOCAB = "vocab.safetensors"
 CHECKPOINTS = "checkpoints"
 EXPORT_DIR = "draft"
 SUMMARY = "summary.json"
+FOLLOW = "follow.json"
 HYDRA_CONFIG = Path(".hydra") / "config.yaml"
 _VERIFIER = "verifier"        # the marker's record of the verifier folder
 
@@ -55,12 +57,13 @@ class RunFolder:
     checkpoints: Path = field(init=False)
     export_dir: Path = field(init=False)
     summary: Path = field(init=False)
+    follow: Path = field(init=False)
     hydra_config: Path = field(init=False)
 
     def __post_init__(self) -> None:
         layout = {"metrics": METRICS, "tensorboard": TENSORBOARD, "draft_config": DRAFT_CONFIG,
                   "vocab": VOCAB, "checkpoints": CHECKPOINTS, "export_dir": EXPORT_DIR,
-                  "summary": SUMMARY, "hydra_config": HYDRA_CONFIG}
+                  "summary": SUMMARY, "follow": FOLLOW, "hydra_config": HYDRA_CONFIG}
         for name, relative in layout.items():
             object.__setattr__(self, name, self.root / relative)     # frozen: set once, here
 
