@@ -16,7 +16,6 @@ from data.conversations import (
     ReadStats,
     RecordError,
     first_user_text,
-    is_held_out,
     load_conversations,
     read_conversations,
     read_humaneval,
@@ -24,9 +23,9 @@ from data.conversations import (
     read_sharegpt,
     select_share,
     sharegpt_default_path,
-    sharegpt_split_key,
 )
 from data.records import Origin
+from data.split import is_held_out, sharegpt_split_key
 from config import compose_config
 
 DATA = pathlib.Path(__file__).parent / "data"

@@ -13,7 +13,7 @@ before, and 1 rank with grad_accum 2 sees the same rows per step as 2 ranks with
 Under sequence parallelism the rank and world here are the data-parallel ones: the ranks of a
 sequence-parallel group read the same rows and each keeps its slice (train/sequence_parallel.py).
 
-Split. A sample is held out for evaluation when `data.conversations.is_held_out` says so for
+Split. A sample is held out for evaluation when `data.split.is_held_out` says so for
 its conversation (ShareGPT parts "id_3" count as "id", as the dump's own split does), with the
 fraction and seed of conf/train.yaml: stable whatever the store's order or size.
 
