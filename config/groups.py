@@ -151,7 +151,7 @@ class StoreConf:
 
 @dataclass
 class SplitConf:
-    """conf/split/default.yaml: the trainer's held-out split of a store's samples."""
+    """conf/heldout_split/default.yaml: the trainer's held-out split of a store's samples."""
 
     heldout_fraction: float
     heldout_seed: int

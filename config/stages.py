@@ -226,7 +226,7 @@ class BuildVerifierJob:
 
 # The schema of each conf group (config/groups.py), by group name.
 GROUP_SCHEMAS = {"verifier": VerifierConf, "draft": DraftConf, "deepspeed": DeepSpeedConf, "data": DataConf,
-                 "engine": EngineConf, "store": StoreConf, "capture": CaptureConf, "split": SplitConf}
+                 "engine": EngineConf, "store": StoreConf, "capture": CaptureConf, "heldout_split": SplitConf}
 
 # The schema each conf/<name>.yaml is merged onto (its first default, `<name>_schema`).
 SCHEMAS = {"dump": DumpJob, "train": TrainJob, "plan": PlanJob, "eval": EvalJob,

@@ -1,7 +1,7 @@
 """Which samples are held out: a pure function of (seed, conversation id), so every stage, rank
 and resumed run agrees without a list. The data split (conf/data: heldout_fraction, split_seed)
 picks the conversations a `make dump` train-split store never contains; the trainer's split
-(conf/split) picks, among a store's samples, those it evaluates on and never trains on, which the
+(conf/heldout_split) picks, among a store's samples, those it evaluates on and never trains on, which the
 dump writes to shards of their own.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ def _same_id(sample_id: str) -> str:
 
 
 def held_out_by(fraction: float, seed: int, data_format: str | None) -> Callable[[str], bool]:
-    """The trainer's held-out rule (conf/split) as a predicate on sample ids; a plain picklable
+    """The trainer's held-out rule (conf/heldout_split) as a predicate on sample ids; a plain picklable
     value, so the dump's writer and the trainer's split apply one function."""
     return functools.partial(_is_held_out_sample, fraction=fraction, seed=seed, key=split_key_for(data_format))
 

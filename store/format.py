@@ -23,7 +23,7 @@ The shards folder is the truth and the manifests its index: a shard committed ju
 crash, before its manifest was updated, is verified and adopted when its rank reopens the store.
 
 A manifest entry's `heldout` (and its shard's attribute of that name) says the shard holds only
-samples of the trainer's held-out split (conf/split; the writer puts them in shards of their own),
+samples of the trainer's held-out split (conf/heldout_split; the writer puts them in shards of their own),
 which a following trainer never retires. Entries written before the split was routed lack it:
 False. A retired shard is gone from shards/ but stays in its rank's manifest: its samples are done.
 

@@ -207,7 +207,7 @@ def check_follow_split(reader: StoreReader, heldout: tuple[float, int]) -> None:
     if theirs != tuple(heldout):
         raise ValueError(f"train.follow: store {reader.path} was dumped with held-out split (fraction, seed) "
                          f"{theirs}, the trainer's eval.heldout_fraction / heldout_seed are {tuple(heldout)}: "
-                         "retiring its shards would lose held-out samples; use the dump's split (conf/split)")
+                         "retiring its shards would lose held-out samples; use the dump's split (conf/heldout_split)")
 
 
 def wait_for_store(store: Path, poll_s: float, ready: Callable[[Path], bool]) -> None:
