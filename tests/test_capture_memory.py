@@ -183,8 +183,9 @@ def test_peak_rss_of_a_dump_follows_the_token_budget(verifier_llm, tmp_path: Pat
     from dump.pipeline import run_dump
     from transformers import AutoTokenizer
 
+    # No held-out shards (conf/heldout_split): one shard per call, which the shard count checks.
     common = ["data=sharegpt", "data.max_samples=48", "split=train", "max_len=512", "regenerate.enabled=false",
-              "store.shard_bytes=1"]
+              "store.shard_bytes=1", "heldout_split.heldout_fraction=0.0"]
     cfg = compose_config("dump", common)
     tokenizer = AutoTokenizer.from_pretrained(kimi_tiny_dir)
     lengths = [n for n in (_tokens(tokenizer, c, 512) for c in load_conversations(cfg.data, "train")) if n]
