@@ -106,6 +106,19 @@ def waiting_ranks(path: Path) -> frozenset[int]:
     return frozenset(int(f.name[len("rank-"):-len(".waiting")]) for f in (path / MANIFEST_DIR).glob("rank-*.waiting"))
 
 
+def blocked_writers(path: Path) -> frozenset[int]:
+    """The waiting dump ranks whose bound the store still fills: a writer that a retirement has
+    just freed may not have removed its marker yet, and is not blocked."""
+    bounds = {}
+    for rank in waiting_ranks(path):
+        try:
+            bounds[rank] = int(_read_checked_json(_rank_file(path, rank, "waiting"), _PROGRESS_ADVICE)["max_bytes"])
+        except FileNotFoundError:           # the writer went on meanwhile
+            pass
+    held = shards_bytes(path) if bounds else 0
+    return frozenset(rank for rank, bound in bounds.items() if held >= bound)
+
+
 def shards_bytes(path: Path) -> int:
     """Bytes on disk under shards/: committed shards, the ones being written and those being
     deleted (what the disk holds, which store.max_bytes bounds)."""

@@ -112,8 +112,9 @@ def test_a_bounded_writer_waits_for_retirement_and_the_disk_stays_within_one_sha
 
 
 def test_rank_0_decides_the_windows_and_the_others_read_them(tmp_path: Path) -> None:
-    """FollowSchedule without a dump running: windows of whole shards in name order, recorded before
-    use; a second rank reads the same windows from the record; a resumed schedule replays them."""
+    """FollowSchedule without a dump running: windows of whole shards in name order, each shard
+    held for train.epochs (2) windows, recorded before use; a second rank reads the same windows
+    from the record; a resumed schedule replays them; a shard retires after its last window."""
     from train.follow import FollowSchedule
 
     store = tmp_path / "store"
@@ -127,16 +128,24 @@ def test_rank_0_decides_the_windows_and_the_others_read_them(tmp_path: Path) -> 
     record.parent.mkdir()
     lead = [(s.first_step, s.steps, s.shards) for s in FollowSchedule(store, record, rank=0, **args).segments(0)]
     names = sorted(e.name for e in StoreReader(store).shards())
-    assert [shards for *_, shards in lead] == [names[0:2], names[2:4], names[4:5]]
-    assert [first for first, *_ in lead] == [0, lead[0][1], lead[0][1] + lead[1][1]]
+    # New shards two at a time; each window reads its own and the previous window's; once the dump
+    # is done, a last window without new shards gives the last one its second pass.
+    assert [shards for *_, shards in lead] == [names[0:2], names[0:4], names[2:5], names[4:5]]
+    assert [first for first, *_ in lead] == [0, *[sum(steps for _, steps, _ in lead[:k]) for k in (1, 2, 3)]]
+    reads = [shard for *_, shards in lead for shard in shards]
+    assert all(reads.count(name) == 2 for name in names)                # every shard trained train.epochs times
     other = [(s.first_step, s.steps, s.shards) for s in FollowSchedule(store, record, rank=1, **args).segments(0)]
     assert other == lead
     resumed = FollowSchedule(store, record, rank=0, **args)
     assert [(s.first_step, s.steps, s.shards) for s in resumed.segments(lead[1][0])] == lead[1:]
-    resumed.retire_through(lead[1][0] + lead[1][1])                    # after window 1's checkpoint
-    assert set(read_retired(store)) == set(names[0:4])
+    resumed.retire_through(lead[1][0])                                 # after window 0: nothing has had 2 passes
+    assert not read_retired(store)
+    resumed.retire_through(lead[2][0])                                 # after window 1: window 0's shards
+    assert set(read_retired(store)) == set(names[0:2])
     with pytest.raises(ValueError, match="retired after a later checkpoint"):
         list(FollowSchedule(store, record, rank=1, **args).segments(0))
+    with pytest.raises(ValueError, match="whole number"):
+        FollowSchedule(store, record, rank=0, **{**args, "epochs": 1.5})
 
 
 # ---- a real dump and a following trainer at once -----------------------------------------------

@@ -9,28 +9,40 @@ follow mode there is one segment, the whole store: the run train/batches.py desc
 Windows (train.follow). Rank 0 takes the store's committed training shards (manifest entries not
 marked `heldout`; the dump writes held-out samples to shards of their own) in the order it first
 sees them, sorted by name among those seen in one look, train.follow_window at a time. A window
-is decided when it has that many shards, or when the dump has marked every rank done (the last,
-smaller window), or when a dump writer waits for room under store.max_bytes (the store is full:
-what it holds is the window, or nothing would ever free room). Each decision is written to
-<run>/follow.json (sealed JSON, in the run folder every rank shares) before it is used; the other
-ranks read it there, polling as rank 0 polls the store, so that no rank waits inside a collective
-(whose timeout a slow dump would outlast). All ranks train the same windows, and a resumed run the
-same ones again. Window w's rows are shuffled with seed
-"<seed>/window-<w>": its samples are trained train.epochs times, within the window, before the
-next window starts. The last step of a window may take rows of its next epoch again (as the whole
-store's last step does): at most rows-per-step - 1 rows are repeated per window.
+is decided when it has that many new shards, or when the dump has marked every rank done, or when
+a dump writer waits for room under store.max_bytes and the store is still over its bound (the
+store is full: what it holds is what there is to train on, or nothing would ever free room).
+Each decision is written to <run>/follow.json (sealed JSON, in the run folder every rank shares)
+before it is used; the other ranks read it there, polling as rank 0 polls the store, so that no
+rank waits inside a collective (whose timeout a slow dump would outlast). All ranks train the same
+windows, and a resumed run the same ones again.
 
-Retirement. After a window's last step the run saves a checkpoint (durable: its complete marker
-written), then rank 0 retires the window's shards (store/progress.py: recorded, then deleted). A
-resumed run starts at a checkpoint at or after the last retirement, so it never needs a retired
-shard; a run resumed from an older checkpoint by name is refused by the reader, naming the sample.
+Epochs as residence. A shard stays for train.epochs windows (an integer in follow mode): the one
+that brought it and the next epochs - 1. Window w trains one pass over every shard it holds, its
+new shards and those of the epochs - 1 windows before it, shuffled together with seed
+"<seed>/window-<w>". So each training sample is trained train.epochs times, as in a run on the
+finished store, and its passes mix with the samples of 2 x epochs - 1 windows of shards, not of
+its own window only: training a window's few samples epochs times in a row and moving on fits
+each window in turn and forgets the earlier ones (bench/follow.py measured that: a lower accept
+length). Once the dump is done, windows without new shards train what the last ones brought until
+every shard has had its passes. The last step of a window may take rows of the pass's next
+shuffle (as the whole store's last step does): at most rows-per-step - 1 rows repeated per window.
+The disk then holds epochs windows of shards at once; under a tight store.max_bytes the dump's
+writer waits and windows without new shards pass over what the store holds, fewer samples mixed.
+
+Retirement. A shard retires after the last window that reads it: after that window's last step the
+run saves a checkpoint (durable: its complete marker written), then rank 0 retires the shards whose
+passes are all done (store/progress.py: recorded, then deleted). A resumed run starts at a
+checkpoint at or after the last retirement, so it never needs a retired shard; a run resumed from
+an older checkpoint by name is refused by the reader, naming the sample.
 
 What follow mode changes: the row order (windows instead of the whole store's epochs), so the
 weights equal those of another follow run with the same windows, not those of a dump-then-train
-run; with several dump ranks the windows depend on when their shards were committed (which rank
-0 saw first), so two uninterrupted runs can differ, while a resumed run repeats its own recorded
-windows. The lr: without train.steps the run's length is unknown while the dump writes, and the
-lr stays at its peak after warmup; with train.steps the schedule decays over it.
+run; with several dump ranks, or a dump still writing, the windows depend on when shards were
+committed (which rank 0 saw first), so two uninterrupted runs can differ, while a resumed run
+repeats its own recorded windows. The lr: without train.steps the run's length is unknown while
+the dump writes, and the lr stays at its peak after warmup; with train.steps the schedule decays
+over it.
 """
 from __future__ import annotations
 
@@ -42,7 +54,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from store import SampleRef, StoreReader
-from store.progress import completion, retire_shards, waiting_ranks
+from store.progress import blocked_writers, completion, retire_shards
 from store.sealed import replace_sealed_json, unseal_json
 from train.batches import RowStream, held_out_rule
 
@@ -58,7 +70,7 @@ class Segment:
     steps: int
     refs: list[SampleRef]
     stream: RowStream
-    shards: list[str]            # the training shards it reads (retired after it in follow mode)
+    shards: list[str]            # the training shards it reads
 
     @property
     def end(self) -> int:
@@ -73,22 +85,30 @@ def segment_steps(stream: RowStream, epochs: float, rows_per_step: int) -> int:
 class WindowRecord:
     """One decided window as <run>/follow.json keeps it."""
 
-    shards: list[str]
+    shards: list[str]            # the training shards it brought
+    reads: list[str]             # the shards its pass trains on: its own and those of the windows before it
     first_step: int
     steps: int
-    samples: int
+    samples: int                 # training samples it reads
+
+    @property
+    def end(self) -> int:
+        return self.first_step + self.steps
 
 
 class FollowSchedule:
     """The windows of a followed store (module docstring); `segments(start)` yields them in order,
     waiting for the dump where the next one is not decided yet. Collective: every rank calls it."""
 
-    def __init__(self, store: Path, record: Path, *, window: int, poll_s: float, epochs: float, max_len: int,
+    def __init__(self, store: Path, record: Path, *, window: int, poll_s: float, epochs: int, max_len: int,
                  seed: int, rows_per_step: int, heldout: tuple[float, int], rank: int) -> None:
         if window < 1:
             raise ValueError(f"train.follow_window={window}: at least 1 shard per window")
+        if epochs != int(epochs) or epochs < 1:
+            raise ValueError(f"train.epochs={epochs}: following a dump, a shard stays for train.epochs windows, "
+                             "a whole number, at least 1")
         self.store, self.record, self.window, self.poll_s = store, record, window, poll_s
-        self.epochs, self.max_len, self.seed, self.rows_per_step = epochs, max_len, seed, rows_per_step
+        self.epochs, self.max_len, self.seed, self.rows_per_step = int(epochs), max_len, seed, rows_per_step
         self.heldout, self.rank = heldout, rank
         self.windows, _ = self._load()
 
@@ -130,14 +150,17 @@ class FollowSchedule:
                     return
                 self.windows.append(decided)
             record = self.windows[w]
-            if record.first_step + record.steps > start:
+            if record.end > start:
                 yield self._segment(w, record)
             w += 1
 
     def retire_through(self, step: int) -> list[str]:
-        """Rank 0: retire the shards of every window that ends at or before `step` (a checkpoint
-        at `step` is durable). Returns the shards newly retired."""
-        names = [s for r in self.windows if r.first_step + r.steps <= step for s in r.shards]
+        """Rank 0: retire the shards whose last window (train.epochs - 1 after the one that brought
+        them) ends at or before `step` (a checkpoint at `step` is durable). Returns the shards
+        newly retired."""
+        last = self.epochs - 1
+        names = [s for i, r in enumerate(self.windows)
+                 if i + last < len(self.windows) and self.windows[i + last].end <= step for s in r.shards]
         if self.rank != 0 or not names:
             return []
         new = retire_shards(self.store, names)
@@ -148,14 +171,14 @@ class FollowSchedule:
 
     def _segment(self, w: int, record: WindowRecord) -> Segment:
         reader = StoreReader(self.store)
-        gone = sorted(set(record.shards) & set(reader.retired))
+        gone = sorted(set(record.reads) & set(reader.retired))
         if gone:
             raise ValueError(f"window {w} (steps {record.first_step}-{record.first_step + record.steps}) reads "
                              f"shards {gone} of {self.store}, which were retired after a later checkpoint: resume "
                              "from the newest checkpoint (train.resume=auto), not an earlier one")
-        refs = self._training_refs(reader, record.shards)
+        refs = self._training_refs(reader, record.reads)
         stream = RowStream([r.num_tokens for r in refs], self.max_len, f"{self.seed}/window-{w}")
-        return Segment(w, record.first_step, record.steps, refs, stream, record.shards)
+        return Segment(w, record.first_step, record.steps, refs, stream, record.reads)
 
     def _training_refs(self, reader: StoreReader, shards: list[str]) -> list[SampleRef]:
         wanted, rule = set(shards), held_out_rule(reader, *self.heldout)
@@ -163,26 +186,28 @@ class FollowSchedule:
 
     def _decide(self) -> WindowRecord | None:
         """Rank 0: the next window, waiting (polling the store) until it is decided; None when the
-        dump is done and every training shard is in a window."""
+        dump is done and every training shard has had its train.epochs passes."""
         taken = {s for r in self.windows for s in r.shards}
+        w = len(self.windows)
+        carried = [s for r in self.windows[max(0, w - self.epochs + 1):] for s in r.shards]
         said = None
         while True:
             done = completion(self.store)          # read before the shards: a done rank has committed all
             reader = StoreReader(self.store)
             new = sorted(e.name for e in reader.shards() if not e.heldout and e.name not in taken)
-            waiting = waiting_ranks(self.store)
-            if len(new) >= self.window or (new and (done.complete or waiting)):
+            ready = len(new) >= self.window or ((new or carried) and (done.complete or blocked_writers(self.store)))
+            if ready:
                 shards = new[:self.window]
-                refs = self._training_refs(reader, shards)
-                if not refs:           # shards of rejected or held-out samples only: nothing to train
-                    taken |= set(shards)
+                if shards and not self._training_refs(reader, shards):
+                    taken |= set(shards)       # shards of rejected or held-out samples only: nothing to train
                     continue
-                stream = RowStream([r.num_tokens for r in refs], self.max_len,
-                                   f"{self.seed}/window-{len(self.windows)}")
-                first = self.windows[-1].first_step + self.windows[-1].steps if self.windows else 0
-                record = WindowRecord(shards, first, segment_steps(stream, self.epochs, self.rows_per_step), len(refs))
-                logger.info("window %d: %d shards, %d samples, steps %d-%d", len(self.windows), len(shards),
-                            len(refs), first, first + record.steps)
+                refs = self._training_refs(reader, carried + shards)
+                stream = RowStream([r.num_tokens for r in refs], self.max_len, f"{self.seed}/window-{w}")
+                first = self.windows[-1].end if self.windows else 0
+                record = WindowRecord(shards, carried + shards, first, segment_steps(stream, 1, self.rows_per_step),
+                                      len(refs))
+                logger.info("window %d: %d new shards, %d held, %d samples, steps %d-%d", w, len(shards),
+                            len(record.reads), len(refs), first, record.end)
                 return record
             if done.complete:
                 return None

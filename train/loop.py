@@ -149,6 +149,10 @@ def _check_follow(cfg: DictConfig, split: StoreSplit, draft_cfg: DraftConfig) ->
                         "train.init_from a draft with its vocabulary)")
     if cfg.train.train_fraction != 1:
         problems.append(f"train.train_fraction={cfg.train.train_fraction} picks from the whole training split")
+    epochs = cfg.train.epochs
+    if epochs is not None and (epochs < 1 or epochs % 1):
+        problems.append(f"train.epochs={epochs}: a followed store's shards stay for train.epochs windows, a whole "
+                        "number, at least 1 (null: 1)")
     if problems:
         raise ValueError("cannot train with train.follow=true: " + "; ".join(problems))
     check_follow_split(split.reader, (cfg.eval.heldout_fraction, cfg.eval.heldout_seed))
@@ -231,7 +235,8 @@ def export_run(engine, setup: RunSetup, run: RunFolder, dtype: torch.dtype) -> s
 def follow_schedule(cfg: DictConfig, run: RunFolder, setup: RunSetup, rank: int) -> FollowSchedule:
     t = cfg.train
     return FollowSchedule(setup.split.path, run.follow, window=t.follow_window, poll_s=t.follow_poll_s,
-                          epochs=t.epochs, max_len=t.max_len, seed=cfg.seed, rows_per_step=setup.rows_per_step,
+                          epochs=1 if t.epochs is None else t.epochs, max_len=t.max_len, seed=cfg.seed,
+                          rows_per_step=setup.rows_per_step,
                           heldout=(cfg.eval.heldout_fraction, cfg.eval.heldout_seed), rank=rank)
 
 
