@@ -172,6 +172,19 @@ def test_ttt_attention_attends_exactly_the_intended_keys(packed: bool) -> None:
             torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=kernel.__name__)
 
 
+def _assert_equals_reference(kernel, q: torch.Tensor, cache, leaves: list[torch.Tensor], upstream: torch.Tensor,
+                             segment_ids: torch.Tensor | None) -> None:
+    """`kernel`'s output and the gradients of every leaf equal the explicit-mask reference's."""
+    outs, grads = [], []
+    for fn in (attention_reference, kernel):
+        out = fn(q, cache, 0.37, segment_ids)
+        outs.append(out)
+        grads.append(torch.autograd.grad((out * upstream).sum(), leaves))
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-5)
+    for got, want in zip(grads[1], grads[0]):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("steps", [1, 2, 4])
 @pytest.mark.parametrize("packed", [False, True], ids=["one-sample", "packed"])
 def test_ttt_attention_equals_reference_with_gradients(steps: int, packed: bool) -> None:
@@ -182,14 +195,7 @@ def test_ttt_attention_equals_reference_with_gradients(steps: int, packed: bool)
     leaves = [q, cache.k0, cache.v0, *cache.diag_k, *cache.diag_v]
     upstream = torch.randn(B, T, h, dv, generator=g)
 
-    outs, grads = [], []
-    for kernel in (attention_reference, attention_ttt):
-        out = kernel(q, cache, 0.37, segment_ids)
-        outs.append(out)
-        grads.append(torch.autograd.grad((out * upstream).sum(), leaves))
-    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-5)
-    for g_ttt, g_ref in zip(grads[1], grads[0]):
-        torch.testing.assert_close(g_ttt, g_ref, rtol=0, atol=1e-5)
+    _assert_equals_reference(attention_ttt, q, cache, leaves, upstream, segment_ids)
 
 
 @pytest.mark.parametrize("block", [1, 5, 8, 64])
@@ -203,14 +209,7 @@ def test_ttt_attention_in_blocks_equals_reference_with_gradients(block: int, ste
     leaves = [q, *cache.tensors()]
     upstream = torch.randn(B, T, h, dv, generator=g)
     seg = _packed_segments(B, T)
-    outs, grads = [], []
-    for kernel in (attention_reference, lambda *a: attention_ttt(*a, block_size=block)):
-        out = kernel(q, cache, 0.37, seg)
-        outs.append(out)
-        grads.append(torch.autograd.grad((out * upstream).sum(), leaves))
-    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-5)
-    for g_ttt, g_ref in zip(grads[1], grads[0]):
-        torch.testing.assert_close(g_ttt, g_ref, rtol=0, atol=1e-5)
+    _assert_equals_reference(lambda *a: attention_ttt(*a, block_size=block), q, cache, leaves, upstream, seg)
 
 
 def test_ttt_attention_gradcheck_float64() -> None:
