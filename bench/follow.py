@@ -97,7 +97,9 @@ def follow(dump: list[str], train: list[str], bound: int, steps: int, name: str)
     summary = json.loads((run / "summary.json").read_text())
     retired = read_retired(store)
     return {"max_bytes": bound, "wall_s": wall, "peak_shard_bytes": peak, "peak_over_bound_bytes": max(0, peak - bound),
-            "windows": len(summary["follow"]["windows"]), "retired_shards": len(retired),
+            "windows": len(summary["follow"]["windows"]),
+            "new_shards_per_window": [len(w["shards"]) for w in summary["follow"]["windows"]],
+            "retired_shards": len(retired),
             "retired_bytes": sum(e.nbytes for e in retired.values()), **_trained(run)}
 
 
