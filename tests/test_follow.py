@@ -1,6 +1,7 @@
 """A trainer following a dump that is still writing its store (train.follow): held-out shards, the
-bound on disk (store.max_bytes) and its wait, retirement, and a real dump (vLLM) with a following
-trainer at the same time on a store bounded below the data's size."""
+bound on disk (store.max_bytes) and its wait, retirement, the windows' schedule, a real dump (vLLM)
+with a following trainer at the same time on a store bounded below the data's size (each killed
+once and resumed), kills of the trainer at seeded points, and 2 dump ranks with 2 trainer ranks."""
 from __future__ import annotations
 
 import json
@@ -185,44 +186,73 @@ def full_store(tmp_path_factory: pytest.TempPathFactory, data_file: Path, verifi
     return out
 
 
+# Each process of the concurrent test is SIGKILLed once, at these points, and started again: the dump
+# with a shard written but not committed (its tmp folder on disk), the trainer after its first
+# window's checkpoint, before that window's retirement.
+CONCURRENT_KILLS = {"dump": "store.shard.before_rename:2:kill", "train": "train.window.checkpointed:1:kill"}
+# The killed dump runs vLLM's engine core in its own process, so that a SIGKILL leaves no engine
+# process behind (as tests/test_faults.py does).
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
 @pytest.mark.vllm
 def test_a_trainer_follows_a_bounded_dump_and_trains_on_every_sample(
         tmp_path: Path, data_file: Path, full_store: Path, kimi_tiny_dir: Path) -> None:
+    """A real dump and a following trainer at once, each killed once and started again: the trainer
+    trains every training sample exactly once (train.epochs=1), the disk stays within the bound
+    plus one shard, retired shards are recorded and only held-out shards stay."""
+    from infra import FAILPOINTS_ENV
+
     full = StoreReader(full_store)
     sizes = [e.nbytes for e in full.shards()]
     bound = sum(sizes) // 3                              # a third of the data's size
-    store = tmp_path / "store"
-    dump = subprocess.Popen([sys.executable, "-m", "dump", f"output_dir={store}", *DUMP, f"data.path={data_file}",
-                             f"store.max_bytes={bound}", f"hydra.run.dir={tmp_path / 'dump-hydra'}"],
-                            cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    run = tmp_path / "run"
-    train = subprocess.Popen([sys.executable, "-m", "train", *_train_overrides(store, kimi_tiny_dir),
-                              f"hydra.run.dir={run}"], cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+    store, run = tmp_path / "store", tmp_path / "run"
+    commands = {"dump": [sys.executable, "-m", "dump", f"output_dir={store}", *DUMP, f"data.path={data_file}",
+                         f"store.max_bytes={bound}", f"hydra.run.dir={tmp_path / 'dump-hydra'}"],
+                "train": [sys.executable, "-m", "train", *_train_overrides(store, kimi_tiny_dir), "train.resume=auto",
+                          f"hydra.run.dir={run}"]}
+    envs = {"dump": _env() | IN_PROCESS, "train": _env()}
+    logs: dict[str, list[Path]] = {"dump": [], "train": []}
+    codes: dict[str, list[int]] = {"dump": [], "train": []}
+
+    def launch(name: str, kill: bool) -> subprocess.Popen:
+        log = tmp_path / f"{name}-{len(logs[name])}.log"
+        logs[name].append(log)
+        env = envs[name] | ({FAILPOINTS_ENV: CONCURRENT_KILLS[name]} if kill else {})
+        return subprocess.Popen(commands[name], cwd=REPO_ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+    procs = {name: launch(name, kill=True) for name in commands}
     peak = 0
     try:
-        while dump.poll() is None or train.poll() is None:
+        while procs:
             if store.exists():
                 peak = max(peak, shards_bytes(store))
+            for name, proc in list(procs.items()):
+                if proc.poll() is None:
+                    continue
+                codes[name].append(proc.returncode)
+                del procs[name]
+                if proc.returncode == -9:                # killed at its failpoint: started again, resuming
+                    procs[name] = launch(name, kill=False)
             time.sleep(0.02)
     finally:
-        for proc in (dump, train):
-            if proc.poll() is None:
-                proc.kill()
-    dump_log, train_log = dump.stdout.read(), train.stdout.read()
-    assert dump.returncode == 0, dump_log[-3000:]
-    assert train.returncode == 0, train_log[-3000:]
+        for proc in procs.values():
+            proc.kill()
+    dump_log, train_log = ("".join(log.read_text() for log in logs[name]) for name in ("dump", "train"))
+    assert codes["dump"] == [-9, 0], dump_log[-3000:]
+    assert codes["train"] == [-9, 0], train_log[-3000:]
     assert "waits" in dump_log                            # the bound held the dump back
 
     reader = StoreReader(store)
     retired = read_retired(store)
     summary = json.loads((run / "summary.json").read_text())
     windows = summary["follow"]["windows"]
-    trained = {s for w in windows for shard in w["shards"] for s in retired[shard].sample_ids}
+    trained = [s for w in windows for shard in w["shards"] for s in retired[shard].sample_ids]
     everything = {s for e in [*reader.shards(), *retired.values()] for s in e.sample_ids}
     held = {s for e in reader.shards() if e.heldout for s in e.sample_ids}
     assert everything == {s for e in full.shards() for s in e.sample_ids}      # the same data as unbounded
-    assert trained == everything - held and held                          # every training sample, no held-out one
+    assert len(trained) == len(set(trained))                              # each in one window: trained once
+    assert set(trained) == everything - held and held                     # every training sample, no held-out one
     assert all(e.heldout for e in reader.shards())                         # only held-out shards stay
     assert set(retired) == {s for w in windows for s in w["shards"]}      # retired shards are recorded
     assert peak <= bound + max(sizes) * 1.05
