@@ -25,8 +25,9 @@ finished store, and its passes mix with the samples of 2 x epochs - 1 windows of
 its own window only: training a window's few samples epochs times in a row and moving on fits
 each window in turn and forgets the earlier ones (bench/results/follow_designs.json: accept
 length 2.50 that way, 2.63 this way, 2.62 on the finished store). Once the dump is done, windows
-without new shards train what the last ones brought until every shard has had its passes. The last step of a window may take rows of the pass's next
-shuffle (as the whole store's last step does): at most rows-per-step - 1 rows repeated per window.
+without new shards train what the last ones brought until every shard has had its passes. The
+last step of a window may take rows of the pass's next shuffle (as the whole store's last step
+does): at most rows-per-step - 1 rows repeated per window.
 The disk then holds epochs windows of shards at once; under a tight store.max_bytes the dump's
 writer waits and windows without new shards pass over what the store holds, fewer samples mixed.
 
@@ -70,11 +71,20 @@ class Segment:
     steps: int
     refs: list[SampleRef]
     stream: RowStream
-    shards: list[str]            # the training shards it reads
 
     @property
     def end(self) -> int:
         return self.first_step + self.steps
+
+
+def residence(epochs: float | None) -> int:
+    """The windows a followed shard stays for: train.epochs, a whole number, at least 1 (null: 1)."""
+    if epochs is None:
+        return 1
+    if epochs < 1 or epochs % 1:
+        raise ValueError(f"train.epochs={epochs}: following a dump, a shard stays for train.epochs windows, "
+                         "a whole number, at least 1 (null: 1)")
+    return int(epochs)
 
 
 def segment_steps(stream: RowStream, epochs: float, rows_per_step: int) -> int:
@@ -100,15 +110,12 @@ class FollowSchedule:
     """The windows of a followed store (module docstring); `segments(start)` yields them in order,
     waiting for the dump where the next one is not decided yet. Collective: every rank calls it."""
 
-    def __init__(self, store: Path, record: Path, *, window: int, poll_s: float, epochs: int, max_len: int,
-                 seed: int, rows_per_step: int, heldout: tuple[float, int], rank: int) -> None:
+    def __init__(self, store: Path, record: Path, *, window: int, poll_s: float, epochs: float | None,
+                 max_len: int, seed: int, rows_per_step: int, heldout: tuple[float, int], rank: int) -> None:
         if window < 1:
             raise ValueError(f"train.follow_window={window}: at least 1 shard per window")
-        if epochs != int(epochs) or epochs < 1:
-            raise ValueError(f"train.epochs={epochs}: following a dump, a shard stays for train.epochs windows, "
-                             "a whole number, at least 1")
         self.store, self.record, self.window, self.poll_s = store, record, window, poll_s
-        self.epochs, self.max_len, self.seed, self.rows_per_step = int(epochs), max_len, seed, rows_per_step
+        self.epochs, self.max_len, self.seed, self.rows_per_step = residence(epochs), max_len, seed, rows_per_step
         self.heldout, self.rank = heldout, rank
         self.windows, _ = self._load()
 
@@ -178,7 +185,7 @@ class FollowSchedule:
                              "from the newest checkpoint (train.resume=auto), not an earlier one")
         refs = self._training_refs(reader, record.reads)
         stream = RowStream([r.num_tokens for r in refs], self.max_len, f"{self.seed}/window-{w}")
-        return Segment(w, record.first_step, record.steps, refs, stream, record.reads)
+        return Segment(w, record.first_step, record.steps, refs, stream)
 
     def _training_refs(self, reader: StoreReader, shards: list[str]) -> list[SampleRef]:
         wanted, rule = set(shards), held_out_rule(reader, *self.heldout)
@@ -198,10 +205,10 @@ class FollowSchedule:
             ready = len(new) >= self.window or ((new or carried) and (done.complete or blocked_writers(self.store)))
             if ready:
                 shards = new[:self.window]
-                if shards and not self._training_refs(reader, shards):
+                refs = self._training_refs(reader, carried + shards)
+                if shards and not {r.shard for r in refs} & set(shards):
                     taken |= set(shards)       # shards of rejected or held-out samples only: nothing to train
                     continue
-                refs = self._training_refs(reader, carried + shards)
                 stream = RowStream([r.num_tokens for r in refs], self.max_len, f"{self.seed}/window-{w}")
                 first = self.windows[-1].end if self.windows else 0
                 record = WindowRecord(shards, carried + shards, first, segment_steps(stream, 1, self.rows_per_step),
@@ -219,9 +226,9 @@ class FollowSchedule:
             time.sleep(self.poll_s)
 
 
-def whole_store(refs: list[SampleRef], stream: RowStream, steps: int, shards: list[str]) -> Iterator[Segment]:
+def whole_store(refs: list[SampleRef], stream: RowStream, steps: int) -> Iterator[Segment]:
     """The one segment of a run on a finished store."""
-    yield Segment(0, 0, steps, refs, stream, shards)
+    yield Segment(0, 0, steps, refs, stream)
 
 
 def check_follow_split(reader: StoreReader, heldout: tuple[float, int]) -> None:

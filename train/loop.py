@@ -44,7 +44,7 @@ from train.checkpoints import load_checkpoint
 from train.deepspeed_setup import initialize, precision_of, zero_stage
 from train.distributed import all_reduce_sum, broadcast_object, check_finite, init_distributed, on_rank0
 from train.export import draft_from_state, gathered_draft_state
-from train.follow import FollowSchedule, check_follow_split, follow_summary, wait_for_store, whole_store
+from train.follow import FollowSchedule, check_follow_split, follow_summary, residence, wait_for_store, whole_store
 from train.heldout import evaluate
 from train.metrics import RunLog, step_metrics
 from train.objective import Eagle3Objective, ObjectiveConfig, StepStats
@@ -149,10 +149,10 @@ def _check_follow(cfg: DictConfig, split: StoreSplit, draft_cfg: DraftConfig) ->
                         "train.init_from a draft with its vocabulary)")
     if cfg.train.train_fraction != 1:
         problems.append(f"train.train_fraction={cfg.train.train_fraction} picks from the whole training split")
-    epochs = cfg.train.epochs
-    if epochs is not None and (epochs < 1 or epochs % 1):
-        problems.append(f"train.epochs={epochs}: a followed store's shards stay for train.epochs windows, a whole "
-                        "number, at least 1 (null: 1)")
+    try:
+        residence(cfg.train.epochs)
+    except ValueError as bad:
+        problems.append(str(bad))
     if problems:
         raise ValueError("cannot train with train.follow=true: " + "; ".join(problems))
     check_follow_split(split.reader, (cfg.eval.heldout_fraction, cfg.eval.heldout_seed))
@@ -235,8 +235,7 @@ def export_run(engine, setup: RunSetup, run: RunFolder, dtype: torch.dtype) -> s
 def follow_schedule(cfg: DictConfig, run: RunFolder, setup: RunSetup, rank: int) -> FollowSchedule:
     t = cfg.train
     return FollowSchedule(setup.split.path, run.follow, window=t.follow_window, poll_s=t.follow_poll_s,
-                          epochs=1 if t.epochs is None else t.epochs, max_len=t.max_len, seed=cfg.seed,
-                          rows_per_step=setup.rows_per_step,
+                          epochs=t.epochs, max_len=t.max_len, seed=cfg.seed, rows_per_step=setup.rows_per_step,
                           heldout=(cfg.eval.heldout_fraction, cfg.eval.heldout_seed), rank=rank)
 
 
@@ -268,8 +267,7 @@ def fit(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         schedule.retire_through(start)        # a run killed between its checkpoint and the retirement
         segments = schedule.segments(start)
     else:
-        segments = whole_store(setup.split.train, setup.split.train_stream(t.max_len, cfg.seed),
-                               setup.total_steps, [])
+        segments = whole_store(setup.split.train, setup.split.train_stream(t.max_len, cfg.seed), setup.total_steps)
     rows_per_rank_step = accum * t.micro_batch
     total = setup.total_steps                          # None while following: only the dump knows
     bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True, disable=rank != 0)
