@@ -19,12 +19,12 @@ import infra
 
 infra.configure_environment()  # offline hubs, caches in the repo: before transformers loads below
 
-from transformers import AutoTokenizer  # noqa: E402
 
 from bench.dump import prompt_bench_args, prompts_of, timed  # noqa: E402
 from dump.capture import HiddenStateCapture, capture_spec, start_capture_engine  # noqa: E402
 from dump.engine import shutdown_llm  # noqa: E402
 from config import compose_config  # noqa: E402
+from model.verifier_handle import Verifier  # noqa: E402
 from model.verifier import verifier_dir  # noqa: E402
 
 # Eager: the CPU config as `make dump` runs it. Compiled: the GPU config's setting
@@ -41,7 +41,8 @@ def measure(mode: str, prompts: list[list[int]], rounds: int) -> dict[str, Any]:
     cfg = compose_config("dump", MODES[mode])
     spec = capture_spec(cfg.verifier)
     began = time.perf_counter()
-    llm = start_capture_engine(verifier_dir(cfg.verifier), cfg.engine, spec, int(cfg.max_len))
+    llm = start_capture_engine(verifier_dir(cfg.verifier), cfg.engine, spec, int(cfg.max_len),
+                               trust_remote_code=cfg.verifier.trust_remote_code)
     start_s = time.perf_counter() - began
     try:
         capture = HiddenStateCapture(llm, spec)
@@ -64,7 +65,7 @@ def measure(mode: str, prompts: list[list[int]], rounds: int) -> dict[str, Any]:
 def main() -> None:
     args = prompt_bench_args(__doc__, 16, "bench/results/capture_modes.json")
     cfg = compose_config("dump")
-    tokenizer = AutoTokenizer.from_pretrained(verifier_dir(cfg.verifier))
+    tokenizer = Verifier.from_conf(cfg.verifier).tokenizer()
     prompts = [[int(t) for t in s.input_ids] for s in prompts_of(cfg, args.samples, tokenizer)]
     tokens = sum(len(p) for p in prompts)
     runs = {mode: measure(mode, prompts, args.rounds) for mode in MODES}

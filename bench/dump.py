@@ -23,7 +23,6 @@ import infra
 infra.configure_environment()  # offline hubs, caches in the repo: before transformers loads below
 
 import psutil  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
 
 from data.conversations import load_conversations  # noqa: E402
 from data.template import SampleRejected, tokenize_conversation  # noqa: E402
@@ -31,6 +30,7 @@ from dump.capture import HiddenStateCapture, capture_spec, start_capture_engine 
 from dump.engine import shutdown_llm  # noqa: E402
 from infra import REPO_ROOT  # noqa: E402
 from config import compose_config  # noqa: E402
+from model.verifier_handle import Verifier  # noqa: E402
 from model.verifier import verifier_dir  # noqa: E402
 from store import StoreWriter, inspect_store, verifier_identity  # noqa: E402
 
@@ -96,7 +96,7 @@ def main() -> None:
 
     cfg = compose_config("dump")
     vdir = verifier_dir(cfg.verifier)
-    tokenizer = AutoTokenizer.from_pretrained(vdir)
+    tokenizer = Verifier.from_conf(cfg.verifier).tokenizer()
     samples = prompts_of(cfg, args.samples, tokenizer)
     tokens = sum(len(s.input_ids) for s in samples)
     prompts = [[int(t) for t in s.input_ids] for s in samples]
@@ -122,7 +122,8 @@ def main() -> None:
 
     with PeakRSS() as rss:
         spec = capture_spec(cfg.verifier)
-        llm = start_capture_engine(vdir, cfg.engine, spec, cfg.max_len)
+        llm = start_capture_engine(vdir, cfg.engine, spec, cfg.max_len,
+                                   trust_remote_code=cfg.verifier.trust_remote_code)
         capture = HiddenStateCapture(llm, spec)
         prefill_only()  # warm-up
         base_s, dump_s, fp8_s = [], [], []

@@ -26,6 +26,8 @@ class VerifierConf:
     aux_capture: str
     final_norm_module: Optional[str]
     chat_format: str
+    trust_remote_code: bool
+    cpu_dtype: str
     end_of_turn: str
     serving_tp: int
     serving_pp: int

@@ -163,16 +163,18 @@ def check_vllm_version(installed: str | None = None) -> None:
 
 
 def start_capture_engine(model_dir: str | os.PathLike, engine: Any, spec: CaptureSpec, max_len: int,
-                         **engine_args: Any):
+                         *, trust_remote_code: bool, **engine_args: Any):
     """A vLLM engine on the verifier that returns the aux states of `spec` (conf/engine/* + overrides).
 
-    engine_args: further LLM(...) arguments (tests: a tiny KV cache that forces preemption)."""
+    trust_remote_code: verifier.trust_remote_code; engine_args: further LLM(...) arguments (tests:
+    a tiny KV cache that forces preemption)."""
     from dump.engine import make_llm
 
     check_vllm_version()
     # The engine's processes start inside LLM(...) and keep the environment they were given.
     with _environment(capture_environment(spec)):
-        return make_llm(model_dir, engine, **{**engine_args, **capture_engine_overrides(spec, max_len)})
+        return make_llm(model_dir, engine, trust_remote_code=trust_remote_code,
+                        **{**engine_args, **capture_engine_overrides(spec, max_len)})
 
 
 @dataclass

@@ -131,9 +131,13 @@ def engine_kwargs(engine: DictConfig, on_cpu: bool | None = None,
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
-def make_llm(model_dir: Path, engine: DictConfig, **extra: Any):
-    """A vLLM engine on model_dir; `extra` adds or overrides keyword arguments
-    (speculative_config, max_model_len, ...)."""
+def make_llm(model_dir: Path, engine: DictConfig, *, trust_remote_code: bool, **extra: Any):
+    """A vLLM engine on model_dir; trust_remote_code: the verifier's setting (its folder's .py files,
+    a Kimi tokenizer's, run only with it; refused before the engine starts when the folder needs it);
+    `extra` adds or overrides keyword arguments (speculative_config, max_model_len, ...)."""
+    from model.verifier_handle import check_remote_code
+
+    check_remote_code(model_dir, trust_remote_code)
     if engine.kv_cache_space_gib is not None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{engine.kv_cache_space_gib:g}"
     if engine.reserved_cpus is not None:
@@ -143,7 +147,8 @@ def make_llm(model_dir: Path, engine: DictConfig, **extra: Any):
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm import LLM  # imported late: it is heavy, and only stage 1 and evaluation need it
 
-    return LLM(model=str(model_dir), tokenizer=str(model_dir), **{**engine_kwargs(engine), **extra})
+    return LLM(model=str(model_dir), tokenizer=str(model_dir), trust_remote_code=trust_remote_code,
+               **{**engine_kwargs(engine), **extra})
 
 
 def shutdown_llm(llm) -> None:

@@ -98,7 +98,8 @@ def measure_real(cfg: DictConfig, categories: list[Category], verifier: Path, dr
     from evaluation.speculative import run_prompts, speculative_engine
 
     K = cfg.num_speculative_tokens
-    llm = speculative_engine(verifier, cfg.engine, draft_dir, K, cfg.draft_sample, cfg.max_len)
+    llm = speculative_engine(verifier, cfg.engine, draft_dir, K, cfg.draft_sample, cfg.max_len,
+                             trust_remote_code=cfg.verifier.trust_remote_code)
     runs: dict[str, dict[str, Any]] = {}
     try:
         for cat in categories:
@@ -130,7 +131,8 @@ def dump_texts(cfg: DictConfig, categories: list[Category], runs: dict[str, dict
     spec = capture_spec(cfg.verifier)
     own_engine = llm is None
     if own_engine:
-        llm = start_capture_engine(verifier, cfg.engine, spec, cfg.max_len)
+        llm = start_capture_engine(verifier, cfg.engine, spec, cfg.max_len,
+                                   trust_remote_code=cfg.verifier.trust_remote_code)
     try:
         capture = HiddenStateCapture(llm, spec)
         for cat in categories:
@@ -208,18 +210,17 @@ def proposal_method(draft_sample: str, draft_dir: Path) -> str:
 def evaluate_draft(cfg: DictConfig, run_dir: Path, capture_llm=None) -> dict[str, Any]:
     """The whole evaluation (steps 1-5) into run_dir. `capture_llm`: a running capture engine for
     step 3 (see dump_texts); else one is started after the speculative engine is shut down."""
-    from transformers import AutoTokenizer
-
     from evaluation import report
     from model.card import write_card
     from model.verifier import verifier_dir
+    from model.verifier_handle import Verifier
     from train.run_folder import run_summary
 
     draft_dir = resolve(cfg.draft_dir)
     check_draft(draft_dir, cfg)
     cfg.draft_sample = proposal_method(cfg.draft_sample, draft_dir)
     verifier = verifier_dir(cfg.verifier)
-    tokenizer = AutoTokenizer.from_pretrained(verifier)
+    tokenizer = Verifier.from_conf(cfg.verifier).tokenizer()
     stop = [tokenizer.convert_tokens_to_ids(cfg.verifier.end_of_turn)]
     categories = load_categories(cfg, tokenizer)
     began = time.perf_counter()

@@ -4,6 +4,7 @@
     verifier.identity, verifier.aux_layer_ids, verifier.sglang_aux_layer_ids
     verifier.files.token_ids, verifier.files.hidden_size (what config.json says)
     verifier.head(), verifier.lm_head(torch.float32), verifier.embedding()
+    verifier.tokenizer()                            # its chat template marks the assistant's tokens
 
 `VerifierFiles` is what the folder holds: config.json (read when opened), the identity a store
 records (store/identity.py's hashes), and the embedding, final norm and lm_head, read at the
@@ -16,6 +17,12 @@ head is gigabytes: `release_tensors` lets the process drop them once their users
 rewritten in place is read anew). `Verifier` adds what the configuration says about the verifier
 (its name, aux layers, capture mode) to the shared files; `Verifier.open` and
 `Verifier.from_conf` of one folder share one VerifierFiles.
+
+Remote code: a Kimi folder ships its tokenizer (and config class) as Python files named in an
+`auto_map` (tokenizer_config.json, config.json), which transformers and vLLM run only with
+trust_remote_code. `verifier.trust_remote_code` says whether this project may; a folder that needs
+it without it is refused by `check_remote_code` with one message naming the setting, before
+transformers asks for it interactively or fails on its own.
 """
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from omegaconf import DictConfig
@@ -34,7 +41,43 @@ from model.aux_ids import to_vllm_aux_ids, vllm_to_sglang_aux_ids
 from model.verifier_weights import HEAD_PARTS, INDEX_FILE, SINGLE_FILE, VerifierHead, read_head, token_ids_of
 from store.identity import identity_of
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 CONFIG_FILE = "config.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+# The tokenizer file transformers' own classes load; with it a folder's tokenizer needs no code.
+FAST_TOKENIZER = "tokenizer.json"
+
+
+def remote_code(folder: str | Path) -> list[str]:
+    """The classes a folder names in an auto_map that loading its tokenizer runs as code: the
+    tokenizer's (when no tokenizer.json stands in for it) and the config's (when transformers does
+    not know the model_type, which the tokenizer's loading reads). Empty: no code to trust."""
+    folder = Path(folder)
+    needed = []
+    tokenizer_config = folder / TOKENIZER_CONFIG
+    if tokenizer_config.is_file() and not (folder / FAST_TOKENIZER).is_file():
+        auto = json.loads(tokenizer_config.read_text()).get("auto_map", {}).get("AutoTokenizer")
+        names = [auto] if isinstance(auto, str) else [n for n in (auto or []) if n]
+        needed += [f"{TOKENIZER_CONFIG}: {name}" for name in names]
+    config = json.loads((folder / CONFIG_FILE).read_text()) if (folder / CONFIG_FILE).is_file() else {}
+    auto_config = config.get("auto_map", {}).get("AutoConfig")
+    if auto_config and needed:
+        from transformers import CONFIG_MAPPING
+
+        if config.get("model_type") not in CONFIG_MAPPING:
+            needed.append(f"{CONFIG_FILE}: {auto_config}")
+    return needed
+
+
+def check_remote_code(folder: str | Path, trusted: bool) -> None:
+    """Refuse a folder whose tokenizer is code when verifier.trust_remote_code is false."""
+    needed = remote_code(folder)
+    if needed and not trusted:
+        raise ValueError(f"verifier folder {folder} ships its tokenizer as code ({'; '.join(needed)}), which "
+                         "runs only with verifier.trust_remote_code=true (every Kimi folder does; vLLM's "
+                         "--trust-remote-code). Set it if you trust the folder's .py files")
 
 
 class VerifierFiles:
@@ -145,6 +188,8 @@ class Verifier:
     name: str
     aux_layer_ids: tuple[int, ...] | None = None
     aux_capture: str | None = None
+    trust_remote_code: bool = False     # verifier.trust_remote_code: run the folder's .py files
+    chat_format: str | None = None      # verifier.chat_format: marks the assistant's tokens
 
     @classmethod
     def open(cls, folder: str | Path, name: str | None = None) -> Verifier:
@@ -158,7 +203,7 @@ class Verifier:
         (converted from `aux_convention`, against the folder's layer count) and capture mode."""
         files = VerifierFiles.open(resolve(node.path))
         aux = to_vllm_aux_ids(list(node.aux_layer_ids), node.aux_convention, files.num_hidden_layers)
-        return cls(files, node.name, tuple(aux), node.aux_capture)
+        return cls(files, node.name, tuple(aux), node.aux_capture, node.trust_remote_code, node.chat_format)
 
     @classmethod
     def of(cls, verifier: Verifier | str | Path) -> Verifier:
@@ -180,6 +225,18 @@ class Verifier:
         if self.aux_layer_ids is None:
             return None
         return tuple(vllm_to_sglang_aux_ids(self.aux_layer_ids, self.files.num_hidden_layers))
+
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The folder's tokenizer (its code run where trust_remote_code allows), its chat template
+        the one that marks the assistant's tokens (data/template.py marked_template)."""
+        from transformers import AutoTokenizer
+
+        from data.template import marked_template
+
+        check_remote_code(self.path, self.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
+        tokenizer.chat_template = marked_template(tokenizer, self.chat_format, f"verifier folder {self.path}")
+        return tokenizer
 
     def embedding(self, dtype: torch.dtype | None = None) -> Tensor:
         """The embedding [V, H] (read alone if nothing else of the head was asked for yet)."""

@@ -55,7 +55,8 @@ def verifier_llm(kimi_tiny_dir: Path, cpu_engine_cfg: DictConfig) -> Iterator[ob
     from dump.engine import shutdown_llm
 
     cfg = compose_config("dump")
-    llm = start_capture_engine(kimi_tiny_dir, cpu_engine_cfg, capture_spec(cfg.verifier), int(cfg.max_len))
+    llm = start_capture_engine(kimi_tiny_dir, cpu_engine_cfg, capture_spec(cfg.verifier), int(cfg.max_len),
+                               trust_remote_code=False)
     yield llm
     shutdown_llm(llm)
     del llm

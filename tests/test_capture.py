@@ -65,7 +65,7 @@ def reference_model(kimi_tiny_dir: Path) -> DeepseekV3ForCausalLM:
 
 def _engine(kimi_tiny_dir: Path, overrides: list[str], spec: CaptureSpec):
     engine = compose_config("dump", overrides).engine
-    return start_capture_engine(kimi_tiny_dir, engine, spec, max_len=512)
+    return start_capture_engine(kimi_tiny_dir, engine, spec, max_len=512, trust_remote_code=False)
 
 
 def _capture_and_check(llm, spec: CaptureSpec, prompts: list[list[int]], model, what: str) -> None:

@@ -95,7 +95,7 @@ def test_the_cpu_config_names_its_backend_for_verifier_and_draft(flags: frozense
 
 
 def test_null_leaves_the_choice_to_vllm_where_it_works() -> None:
-    engine = OmegaConf.merge(compose_config("dump").engine, {"attention_backend": None})
+    engine = compose_config("dump", ["engine.attention_backend=null"]).engine
     assert "attention_backend" not in engine_kwargs(engine, on_cpu=True, cpu_flags=PLAIN)
     assert "attention_backend" not in speculative_config(engine, Path("/d"), 3, "greedy", on_cpu=True,
                                                          cpu_flags=PLAIN)

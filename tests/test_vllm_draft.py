@@ -193,7 +193,7 @@ def engine_on(draft: Eagle3Draft, verifier_dir: Path, engine_cfg: DictConfig, ou
     ours = load_draft(out_dir, verifier_dir=verifier_dir)   # the exported (bf16-rounded) weights, in fp32
     with in_process_vllm():
         llm = speculative_engine(verifier_dir, engine_cfg, out_dir, NUM_SPECULATIVE_TOKENS, "greedy",
-                                 int(engine_cfg.max_model_len))
+                                 int(engine_cfg.max_model_len), trust_remote_code=False)
         try:
             yield llm, install_recorder(llm), ours
         finally:

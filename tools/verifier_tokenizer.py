@@ -2,17 +2,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-CHAT_TEMPLATE_PATH = Path(__file__).with_name("kimi_chat_template.jinja")
-
-
-def chat_template() -> str:
-    """Kimi's chat format as a Jinja template (the one tokenizer_config.json carries)."""
-    return CHAT_TEMPLATE_PATH.read_text()
+from data.template import chat_format_template
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int,
@@ -39,7 +33,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int,
         eos_token="[EOS]",
         pad_token="[PAD]",
         unk_token="[UNK]",
-        chat_template=chat_template(),
+        chat_template=chat_format_template("kimi"),
         model_max_length=None,
         clean_up_tokenization_spaces=False,
     )
