@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from torch import Tensor
+from torch import Tensor, nn
 
 from model.aux_ids import sglang_to_vllm_aux_ids, to_vllm_aux_ids, vllm_to_sglang_aux_ids  # noqa: F401 (re-exported)
 from model.draft import ARCHITECTURE_FLAGS, DraftConfig, Eagle3Draft, architecture_flags, layer_shapes
@@ -85,6 +85,7 @@ AUX_KEY = "eagle_aux_hidden_state_layer_ids"
 EAGLE_CONFIG = "eagle_config"
 TARGET_KEY = "target_model_type"
 EMBED = "embed_tokens.weight"
+HEAD = "lm_head.weight"
 LAYER = "midlayer."             # the draft layer's tensors, as this project and vLLM's mapper name them
 TORCHSPEC_LAYER = "layers.0."   # ... as TorchSpec's vLLM export and the engines' modules name them
 # vLLM parses these model_types with another config class (vllm/transformers_utils/config.py,
@@ -521,7 +522,7 @@ def export_tensors(draft: Eagle3Draft, dtype: torch.dtype = torch.bfloat16,
     """Checkpoint name -> tensor. The module names already are vLLM's, so this casts, and adds
     the verifier's embedding where `needs_embedding`."""
     out: dict[str, Tensor] = {}
-    for name, tensor in draft.state_dict().items():
+    for name, tensor in draft.exported_state().items():
         # d2t (int64) and t2d (bool) keep their dtypes; float weights take the export dtype.
         t = tensor.to(dtype) if tensor.is_floating_point() else tensor
         out[name] = t.detach().cpu().contiguous()
@@ -548,7 +549,7 @@ def export_size_bytes(draft: Eagle3Draft, dtype: torch.dtype = torch.bfloat16) -
     """Bytes of tensor data in model.safetensors (works for a draft on the meta device)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     total = 0
-    for tensor in draft.state_dict().values():
+    for tensor in draft.exported_state().values():
         total += tensor.numel() * (itemsize if tensor.is_floating_point() else tensor.element_size())
     if needs_embedding(draft.config.target_model_type):
         total += draft.embed_tokens.numel() * itemsize
@@ -687,4 +688,20 @@ def init_from_draft(draft: Eagle3Draft, path: Path) -> None:
     state = {k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}
     state |= {k: own[k] for k in ("d2t", "t2d") if k in own}
     with torch.no_grad():
+        if HEAD not in own:                  # the verifier's own lm_head (take_verifier_head)
+            _take_folder_head(draft, state.pop(HEAD))
+            if HEAD in draft.state_dict():   # the folder's, now the draft's own parameter
+                state[HEAD] = draft.lm_head.weight
         draft.load_state_dict(state, strict=True)
+
+
+def _take_folder_head(draft: Eagle3Draft, head: Tensor) -> None:
+    """A folder's frozen lm_head for a draft that holds the verifier's: nothing to do where they
+    are equal; else the folder's, as a frozen parameter of the draft's own (the verifier's tensor,
+    which the targets come from, is never written)."""
+    mine = draft.lm_head.weight
+    if torch.equal(head.to(mine.dtype), mine):
+        return
+    logger.info("the folder's lm_head is not the verifier's: the draft keeps its own frozen copy")
+    del draft.lm_head.weight
+    draft.lm_head.weight = nn.Parameter(head.to(draft.fc.weight.dtype), requires_grad=False)

@@ -37,6 +37,7 @@ from model.vocab import draft_to_target, t2d_from_d2t, target_ids_of
 
 if TYPE_CHECKING:
     from model.verifier_handle import Verifier
+    from model.verifier_weights import VerifierHead
 
 
 @dataclass
@@ -218,13 +219,16 @@ class StepOutput(NamedTuple):
 
 
 class Eagle3Draft(nn.Module):
-    def __init__(self, cfg: DraftConfig) -> None:
+    def __init__(self, cfg: DraftConfig, verifier_tensors_on: torch.device | str | None = None) -> None:
+        """verifier_tensors_on: where the [V, H] embedding and lm_head are made (default: with the
+        rest); "meta" for a draft that takes the verifier's own (`build_draft` with a head)."""
         super().__init__()
         self.config = cfg
         H = cfg.hidden_size
         # Frozen verifier embedding: a non-persistent buffer, so it is neither trained, nor in
         # state_dict / training checkpoints, nor exported (vLLM shares the target's).
-        self.register_buffer("embed_tokens", torch.zeros(cfg.vocab_size, H), persistent=False)
+        self.register_buffer("embed_tokens", torch.zeros(cfg.vocab_size, H, device=verifier_tensors_on),
+                             persistent=False)
         self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, H, bias=False)
         # One norm per aux state: the verifier's layers differ widely in scale; normed, each
         # reaches fc at unit RMS (times its learned weight).
@@ -232,7 +236,7 @@ class Eagle3Draft(nn.Module):
                         if cfg.fc_norm else None)
         self.midlayer = DraftLayer(cfg)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False, device=verifier_tensors_on)
         if cfg.pruned:
             # Persistent: the vocabulary is part of the trained draft.
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
@@ -245,9 +249,13 @@ class Eagle3Draft(nn.Module):
 
     # ---- initialisation -------------------------------------------------------------------
     @torch.no_grad()
-    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
-        """Random init of the trainable layer: normal(0, std) linears, unit norms."""
+    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None,
+                     skip: nn.Module | None = None) -> None:
+        """Random init of the trainable layer: normal(0, std) linears, unit norms (`skip` left as it
+        is: the lm_head the verifier's replaces, last of the modules, so the others draw the same)."""
         for module in self.modules():
+            if module is skip:
+                continue
             if isinstance(module, nn.Linear):
                 module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * std)
             elif isinstance(module, RMSNorm):
@@ -260,6 +268,35 @@ class Eagle3Draft(nn.Module):
             raise ValueError("this draft has the full vocabulary (draft_vocab_size == vocab_size)")
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d_from_d2t(d2t.to(self.t2d.device), self.config.vocab_size))
+
+    @torch.no_grad()
+    def take_verifier_head(self, head: VerifierHead) -> None:
+        """Embedding, final norm and lm_head from the verifier's tensors, without a copy where the
+        draft only reads them: the embedding is the verifier's tensor itself, and so is a frozen
+        full-vocabulary lm_head (`shares_verifier_head`); the norm, and a pruned or trained lm_head,
+        are copies in the draft's dtype. The caller gives them in the dtype it trains in."""
+        self.embed_tokens = head.embed_tokens
+        self.norm.weight.copy_(head.norm)
+        if self.shares_verifier_head:
+            # The verifier's, like the embedding: a non-persistent buffer, so that it is neither
+            # trained, nor in training checkpoints, nor partitioned by ZeRO-3 (`exported_state`
+            # adds it back for an export; a checkpoint's export reads it from the verifier).
+            del self.lm_head.weight
+            self.lm_head.register_buffer("weight", head.lm_head, persistent=False)
+            return
+        rows = head.lm_head if self.d2t is None else head.lm_head[target_ids_of(self.d2t.cpu())]
+        self.lm_head.weight = nn.Parameter(rows.to(self.fc.weight.dtype, copy=True), requires_grad=self.config.train_head)
+
+    def exported_state(self) -> dict[str, Tensor]:
+        """state_dict plus the lm_head where it is the verifier's (a buffer state_dict leaves out):
+        every tensor a draft folder holds but the embedding."""
+        state = self.state_dict()
+        return state if "lm_head.weight" in state else {**state, "lm_head.weight": self.lm_head.weight}
+
+    @property
+    def shares_verifier_head(self) -> bool:
+        """Whether lm_head is, and stays, the verifier's: full vocabulary and not trained."""
+        return self.d2t is None and not self.config.train_head
 
     @torch.no_grad()
     def load_verifier_head(self, verifier: Verifier | Path) -> None:
@@ -331,15 +368,33 @@ class Eagle3Draft(nn.Module):
 
 
 def exported_parameter_count(draft: Eagle3Draft) -> int:
-    """Parameters that go into the checkpoint (all but the frozen embedding buffer)."""
-    return sum(p.numel() for p in draft.parameters())
+    """Parameters that go into the checkpoint (all but the frozen embedding buffer), the lm_head
+    included wherever the draft holds it."""
+    head = draft.lm_head.weight
+    return sum(p.numel() for p in draft.parameters()) + (0 if isinstance(head, nn.Parameter) else head.numel())
 
 
-def build_draft(cfg: DraftConfig, device: torch.device | str | None = None) -> Eagle3Draft:
-    """A draft with random layer weights (`device="meta"` for shapes only)."""
+def build_draft(cfg: DraftConfig, device: torch.device | str | None = None, head: VerifierHead | None = None,
+                d2t: Tensor | None = None) -> Eagle3Draft:
+    """A draft with random layer weights (`device="meta"` for shapes only).
+
+    head: the verifier's embedding, final norm and lm_head (`take_verifier_head`; d2t: the pruned
+    vocabulary, installed first). With a head, the [V, H] tensors are never allocated for the draft
+    itself: at Kimi's vocabulary each is 4.7 GB in fp32, and the verifier's tensors take their
+    place. The layer's random weights are the same as without one."""
+    if head is None:
+        with torch.device(device or "cpu"):
+            draft = Eagle3Draft(cfg)
+        if d2t is not None:
+            draft.set_vocab(d2t)
+        if torch.device(device or "cpu").type != "meta":
+            draft.init_weights()
+        return draft
     with torch.device(device or "cpu"):
-        draft = Eagle3Draft(cfg)
-    if torch.device(device or "cpu").type != "meta":
-        draft.init_weights()
+        draft = Eagle3Draft(cfg, verifier_tensors_on="meta")
+    if d2t is not None:
+        draft.set_vocab(d2t)
+    draft.init_weights(skip=draft.lm_head)
+    draft.take_verifier_head(head)
     return draft
 

@@ -1,17 +1,23 @@
 """Read single verifier tensors by name from its safetensors files, nothing else.
 
 A Kimi verifier is ~1T parameters: the draft needs only its embedding, final norm and lm_head,
-so they are read one by one with `safe_open` (single model.safetensors or sharded with
+so they are read one by one (single model.safetensors or sharded with
 model.safetensors.index.json); no other tensor is ever loaded, and each file is opened once per
 read (`read_head`: a single file's header and tensors in the same open). Their names depend on
 the checkpoint's layout (LAYOUTS): Kimi-K3 keeps them under `language_model.`.
 
 These readers go to disk on every call; model/verifier_handle.py's Verifier reads through them
 once per process and shares what it read.
+
+The head is mapped, not copied (`map_file`): each tensor is a view of its file's pages
+(a private mapping: a write would copy the page, never change the file), so the ranks of one
+machine that read the same verifier share one copy of a 2.35 GB Kimi embedding in the page cache,
+and a process holds no second copy beside the file's.
 """
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,8 +65,36 @@ def weight_map(verifier_dir: Path) -> dict[str, str]:
         return {name: SINGLE_FILE for name in f.keys()}
 
 
+# safetensors' dtype names (the header's "dtype") as torch dtypes.
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                      "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+                      "F8_E5M2": torch.float8_e5m2}
+
+
+def map_file(file: Path) -> dict[str, Tensor]:
+    """Every tensor of one safetensors file as a view of its pages (a private mapping of the file:
+    nothing is read until used, and what is read stays shared with the page cache)."""
+    file = Path(file)
+    pages = torch.from_file(str(file), shared=False, size=file.stat().st_size, dtype=torch.uint8)
+    (header_len,) = struct.unpack("<Q", pages[:8].numpy().tobytes())
+    header = json.loads(pages[8:8 + header_len].numpy().tobytes())
+    start = 8 + header_len
+    out = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+        begin, end = entry["data_offsets"]
+        raw = pages[start + begin:start + end]
+        if (start + begin) % dtype.itemsize:          # not aligned for a view: a copy instead
+            raw = raw.clone()
+        out[name] = raw.view(dtype).view(entry["shape"])
+    return out
+
+
 def read_tensors(verifier_dir: Path, names: Iterable[str]) -> dict[str, Tensor]:
-    """The named tensors, as stored (dtype kept), opening each file once."""
+    """The named tensors, as stored (dtype kept), mapped from their files (`map_file`), each file once."""
     verifier_dir = Path(verifier_dir)
     where = weight_map(verifier_dir)
     by_file: dict[str, list[str]] = {}
@@ -70,9 +104,8 @@ def read_tensors(verifier_dir: Path, names: Iterable[str]) -> dict[str, Tensor]:
         by_file.setdefault(where[name], []).append(name)
     out: dict[str, Tensor] = {}
     for file, file_names in by_file.items():
-        with safe_open(str(verifier_dir / file), framework="pt") as f:
-            for name in file_names:
-                out[name] = f.get_tensor(name)
+        mapped = map_file(verifier_dir / file)
+        out.update({name: mapped[name] for name in file_names})
     return out
 
 
@@ -115,8 +148,7 @@ def _wanted(layout: HeadNames, names: set[str], parts: Iterable[str]) -> dict[st
 
 
 def read_head(verifier_dir: Path, parts: Iterable[str] = HEAD_PARTS) -> dict[str, Tensor]:
-    """The asked parts of HEAD_PARTS, as stored (dtype kept), each file opened once: a single
-    model.safetensors gives its tensor names and the tensors in one open."""
+    """The asked parts of HEAD_PARTS, as stored (dtype kept), mapped from their files."""
     verifier_dir = Path(verifier_dir)
     parts = list(parts)
     if (verifier_dir / INDEX_FILE).exists():
@@ -127,10 +159,8 @@ def read_head(verifier_dir: Path, parts: Iterable[str] = HEAD_PARTS) -> dict[str
     single = verifier_dir / SINGLE_FILE
     if not single.exists():
         raise FileNotFoundError(f"no {INDEX_FILE} or {SINGLE_FILE} in {verifier_dir}")
-    with safe_open(str(single), framework="pt") as f:
-        names = set(f.keys())
-        wanted = _wanted(_layout_of(names, verifier_dir), names, parts)
-        tensors = {name: f.get_tensor(name) for name in set(wanted.values())}
+    tensors = map_file(single)
+    wanted = _wanted(_layout_of(set(tensors), verifier_dir), set(tensors), parts)
     return {part: tensors[name] for part, name in wanted.items()}
 
 

@@ -251,7 +251,7 @@ def test_export_import_reexport_is_identical(tiny_cfg: DraftConfig, tmp_path: Pa
 
 
 # TorchSpec's and SGLang's own folders (eagle_config ids only, layers.0.* or midlayer.*, no
-# max_position_embeddings): tests/test_published_drafts.py, on tests/published_drafts.py's fixtures.
+# max_position_embeddings): tests/test_published_drafts.py, on tools/published_drafts.py's fixtures.
 
 
 def test_disagreeing_aux_ids_are_refused_and_old_exports_still_load(tiny_cfg: DraftConfig, tmp_path: Path,

@@ -225,29 +225,18 @@ def test_verifier_head_reads_only_its_three_tensors_from_shards(tmp_path: Path, 
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
     read: list[str] = []
-    real_safe_open = vw.safe_open
+    real_map = vw.map_file
 
-    class Recording:
-        def __init__(self, *args, **kwargs):
-            self.f = real_safe_open(*args, **kwargs)
-
-        def __enter__(self):
-            self.inner = self.f.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.f.__exit__(*exc)
-
-        def keys(self):
-            return self.inner.keys()
-
-        def get_tensor(self, name):
+    class Recording(dict):
+        def __getitem__(self, name):
             read.append(name)
-            return self.inner.get_tensor(name)
+            return super().__getitem__(name)
 
-    monkeypatch.setattr(vw, "safe_open", Recording)
+    monkeypatch.setattr(vw, "map_file", lambda file: Recording(real_map(file)))
     head = vw.read_verifier_head(tmp_path)
     assert sorted(read) == ["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"]
     assert torch.equal(head.embed_tokens, shard1["model.embed_tokens.weight"])
     assert torch.equal(head.lm_head, shard2["lm_head.weight"])
     assert torch.equal(head.norm, shard2["model.norm.weight"])
+    # Views of the files' pages, not copies: the storage is the whole mapped file.
+    assert head.lm_head.untyped_storage().nbytes() == (tmp_path / "model-00002-of-00002.safetensors").stat().st_size

@@ -138,8 +138,9 @@ def test_zero_stages_partition_what_deepspeed_partitions(k2_cfg: DraftConfig) ->
     for stage, plan in plans.items():
         assert plan.trainable_params == psi
         assert rows[stage]["optimizer states"] == 12 * shard                # fp32 master + 2 moments
-        # embedding, verifier lm_head, draft lm_head [V, H] and the draft's final norm, bf16, whole
-        assert rows[stage]["frozen verifier tensors"] == 2 * (3 * V * H + H)
+        # embedding and lm_head [V, H] (the draft's is the verifier's: one tensor) and the draft's
+        # final norm, bf16, whole
+        assert rows[stage]["frozen verifier tensors"] == 2 * (2 * V * H + H)
     assert rows[1]["parameters"] == rows[2]["parameters"] == 2 * psi
     assert rows[1]["gradients"] == 2 * psi
     assert rows[2]["gradients"] == 2 * (shard + 50_000_000)

@@ -1,4 +1,4 @@
-"""Published drafts (tests/published_drafts.py rebuilds them at kimi-tiny's shapes) through the
+"""Published drafts (tools/published_drafts.py rebuilds them at kimi-tiny's shapes) through the
 importer, train.init_from and the exporter; and each engine's loading rule on exported folders."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from model.draft import ARCHITECTURE_FLAGS, DraftConfig, build_draft, compose_dr
 from model.mla import RMSNorm
 from model.verifier_weights import read_verifier_embedding
 from tests.conftest import plain_layer
-from tests.published_drafts import PUBLISHED, TEMPLATES, template_sglang_ids, write_published
+from tools.published_drafts import PUBLISHED, TEMPLATES, template_sglang_ids, write_published
 
 EAGLE31 = {"fc_norm": True, "norm_output": True}
 NULL_SWITCHES = [f"draft.{flag}=null" for flag in ARCHITECTURE_FLAGS]

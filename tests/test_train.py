@@ -22,6 +22,7 @@ import train.loop as loop
 from infra import REPO_ROOT
 from config import compose_config
 from model.checkpoint import load_draft
+from model.verifier_handle import Verifier
 from store import StoreMismatchError, StoreWriter, verifier_identity
 from tests.conftest import TRAIN_STORE_MAX_LEN, write_verifier_store
 from train.batches import SplitSizes, SplitTooSmallError, StoreSplit, check_split_sizes
@@ -149,7 +150,9 @@ def test_export_loads_back_with_the_trained_weights(zero_runs: dict[str, Path], 
     draft = load_draft(run / "draft", draft_verifier_dir)
     trained = consolidated_checkpoint_state(run / "checkpoints" / "step-00000006")
     exported = draft.state_dict()
-    assert set(exported) == set(trained)
+    # A frozen full-vocabulary lm_head is the verifier's: checkpoints leave it out, exports carry it.
+    assert set(exported) == set(trained) | {"lm_head.weight"}
+    assert torch.equal(exported["lm_head.weight"], Verifier.open(draft_verifier_dir).lm_head(torch.float32))
     for name, value in trained.items():                        # exported in bf16
         assert torch.equal(exported[name], value.to(torch.bfloat16).float()), name
     # On demand: `python -m train export <checkpoint>` writes the same draft.

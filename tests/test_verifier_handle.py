@@ -19,6 +19,7 @@ import train.loop as loop
 from config import compose_config
 from model.draft import DraftConfig, compose_draft_conf
 from model.verifier_handle import Verifier, VerifierFiles
+from model import verifier_weights
 from model.verifier_weights import read_verifier_head
 from store import verifier_identity
 from train.distributed import init_distributed
@@ -43,6 +44,13 @@ def _count_opens(monkeypatch: pytest.MonkeyPatch, folder: Path) -> Counter:
         note(filename)
         return real_load(filename, *args, **kwargs)
 
+    real_map = verifier_weights.map_file
+
+    def counting_map(file):
+        note(file)
+        return real_map(file)
+
+    monkeypatch.setattr(verifier_weights, "map_file", counting_map)
     for module in list(sys.modules.values()):
         # load_file opens through safetensors.torch's own safe_open: left as is, not counted twice.
         if module is safetensors.torch:

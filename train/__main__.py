@@ -95,7 +95,8 @@ def export_main(argv: list[str]) -> int:
         print(f"python -m train export: checkpoint {folder} {known}, and a {source.config.target_model_type} "
               "export ships the verifier's embedding: pass --verifier <folder>", file=sys.stderr)
         return 2
-    draft = draft_from_state(source.config, consolidated_checkpoint_state(folder), source.d2t)
+    draft = draft_from_state(source.config, consolidated_checkpoint_state(folder), source.d2t,
+                             verifier if verifier is not None and verifier.is_dir() else None)
     out = export_draft(draft, args.out or folder / EXPORT_DIR, getattr(torch, args.dtype), verifier_dir=verifier)
     print(f"exported {folder} -> {out}")
     return 0

@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import hashlib
 import math
+import multiprocessing
 import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -142,6 +143,16 @@ def _worker_init(_: int) -> None:
     torch.set_num_threads(1)  # workers decode and copy; the trainer's threads do the math
 
 
+def _worker_context() -> multiprocessing.context.BaseContext:
+    """Workers forked from a small server process, not from the trainer: a worker forked from a
+    trainer keeps every page the trainer writes after the fork (its optimizer states, master
+    weights), 3.2 GiB per worker for the Kimi-K2 draft on 2 ranks, which took the machine into
+    reclaim. The server imports this module once; each worker then forks from it in milliseconds."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    return context
+
+
 def _collate(rows: Sequence[Batch], multiple: int, cut: Callable[[Batch], Batch] | None) -> Batch:
     batch = collate_rows(rows, multiple)
     return batch if cut is None else cut(batch)
@@ -152,8 +163,8 @@ def make_loader(dataset: PackedRows, micro_batch: int, num_workers: int, prefetc
     """In-order micro-batches, their length padded to a multiple of pad_multiple (collate_rows);
     workers read ahead so reading overlaps compute. cut: applied to each micro-batch in the
     workers (sequence parallelism: this rank's slice, train/sequence_parallel.py RowSlice)."""
-    extra = {"prefetch_factor": prefetch_factor, "persistent_workers": False,
-             "worker_init_fn": _worker_init} if num_workers > 0 else {}
+    extra = {"prefetch_factor": prefetch_factor, "persistent_workers": False, "worker_init_fn": _worker_init,
+             "multiprocessing_context": _worker_context()} if num_workers > 0 else {}
     return DataLoader(dataset, batch_size=micro_batch, shuffle=False, num_workers=num_workers,
                       collate_fn=functools.partial(_collate, multiple=pad_multiple, cut=cut), drop_last=False,
                       pin_memory=torch.cuda.is_available(), **extra)

@@ -59,7 +59,11 @@ def deepspeed_config(cfg: DictConfig) -> dict[str, Any]:
         "bf16": {"enabled": precision == "bf16"},
         "optimizer": {"type": "AdamW", "params": {
             "lr": t.lr, "betas": list(t.betas), "eps": t.eps,
-            "weight_decay": t.weight_decay, "torch_adam": t.torch_adam}},
+            "weight_decay": t.weight_decay, "torch_adam": t.torch_adam,
+            # torch's fused kernel: on a CPU the default single-tensor step makes two temporaries
+            # the size of the fp32 weights (ZeRO keeps them in one flat tensor): 5 GB for the
+            # Kimi-K2 draft, besides the moments, and it is slower.
+            **({"fused": True} if t.torch_adam else {})}},
         "steps_per_print": 2**31 - 1,          # our own logging; keep DeepSpeed's quiet
         "wall_clock_breakdown": False,
     }
@@ -105,9 +109,11 @@ def initialize(objective: Eagle3Objective, cfg: DictConfig, total_steps: int | N
     import deepspeed
 
     ds_config = deepspeed_config(cfg)
-    if ds_config.get("zero_optimization", {}).get("stage", 0) == 3:
-        # The objective reads the draft's lm_head outside lm_head's own forward (chunked loss).
-        deepspeed.zero.register_external_parameter(objective, objective.draft.lm_head.weight)
+    head = objective.draft.lm_head.weight
+    if ds_config.get("zero_optimization", {}).get("stage", 0) == 3 and isinstance(head, torch.nn.Parameter):
+        # The objective reads the draft's lm_head outside lm_head's own forward (chunked loss); a
+        # head that is the verifier's is a buffer, which ZeRO-3 leaves whole.
+        deepspeed.zero.register_external_parameter(objective, head)
     if precision_of(cfg.train.precision) == "bf16":
         objective.cast_buffers(torch.bfloat16)
     factor = lr_factor(warmup_steps_of(cfg.train, total_steps), total_steps, cfg.train.min_lr_ratio)

@@ -160,20 +160,21 @@ def _check_follow(cfg: DictConfig, split: StoreSplit, draft_cfg: DraftConfig) ->
 
 def build_objective(setup: RunSetup, cfg: DictConfig, resuming: bool = False) -> Eagle3Objective:
     torch.manual_seed(cfg.seed)                          # same initial draft on every rank
-    draft = build_draft(setup.draft_cfg)
-    if setup.d2t is not None:
-        draft.set_vocab(setup.d2t)
-    draft.load_verifier_head(setup.verifier)
+    # The verifier's [V, H] tensors in the trained dtype, mapped from its files where they are
+    # stored so (model/verifier_weights.py): the ranks of one machine share them, and a frozen
+    # full-vocabulary lm_head is the draft's and the targets' at once (no fp32 copy of either).
+    head = setup.verifier.head(torch.bfloat16 if precision_of(cfg.train.precision) == "bf16" else torch.float32)
+    draft = build_draft(setup.draft_cfg, head=head, d2t=setup.d2t)
     init_from = cfg.train.init_from
     if init_from and resuming:
         logger.info("train.init_from=%s ignored: the run resumes from its own checkpoint", init_from)
     elif init_from:
         init_from_draft(draft, resolve(init_from))            # refuses a folder that is another draft
         logger.info("draft initialised from %s", resolve(init_from))
-    # [V, H], converted from the lm_head the draft copied; a top-k store's loss never reads it, so
-    # it is not made (4.7 GB fp32 for Kimi).
-    target_head = None if setup.topk else setup.verifier.lm_head(torch.float32)
-    setup.verifier.release_tensors()                          # the draft and the objective hold copies
+    # [V, H]: the draft's own lm_head where it is the verifier's; a top-k store's loss reads none.
+    shared = draft.lm_head.weight is head.lm_head
+    target_head = None if setup.topk else (draft.lm_head.weight if shared else head.lm_head)
+    setup.verifier.release_tensors()                          # the draft and the objective hold them
     return Eagle3Objective(draft, target_head, _objective_config(cfg))
 
 

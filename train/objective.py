@@ -535,8 +535,11 @@ class Eagle3Objective(nn.Module):
     """The draft plus its frozen target head; forward(batch, steps) -> ObjectiveOutput.
 
     The verifier's lm_head is a non-persistent buffer: never trained, never checkpointed, not
-    partitioned by ZeRO-3. The draft's own lm_head is read directly (not through its forward),
-    so under ZeRO-3 the engine registers it as an external parameter of this module.
+    partitioned by ZeRO-3. A draft whose lm_head is the verifier's (full vocabulary, frozen:
+    Eagle3Draft.shares_verifier_head, passed here as `target_head`) keeps the one tensor, held by
+    the draft alone: one [V, H] instead of two, which stays one when the module moves to a GPU.
+    Otherwise the draft's own lm_head is read directly (not through its forward), so under ZeRO-3
+    the engine registers it as an external parameter of this module.
     A batch with final states trains with the dense soft cross-entropy (needs target_head); one
     with top-k targets (target_ids, target_logprobs) with the bucket cross-entropy, which needs
     no verifier head: target_head may then be None. The acceptance term (cfg.acceptance) is refused
@@ -549,9 +552,15 @@ class Eagle3Objective(nn.Module):
             raise ValueError(_no_acceptance_on_topk(cfg.acceptance))
         self.draft = draft
         self.cfg = cfg
-        self.register_buffer("target_head", target_head, persistent=False)      # [V, H]
+        self.shares_head = target_head is not None and target_head is draft.lm_head.weight
+        self.register_buffer("verifier_head", None if self.shares_head else target_head, persistent=False)  # [V, H]
         self.chunk = cfg.chunk_tokens(draft.config.vocab_size)
         self.sequence: SequenceParallel | None = None                 # split_rows
+
+    @property
+    def target_head(self) -> Tensor | None:
+        """The verifier's lm_head [V, H] the targets come from (the draft's own when it shares it)."""
+        return self.draft.lm_head.weight if self.shares_head else self.verifier_head
 
     def split_rows(self, sequence: SequenceParallel) -> None:
         """Train every row split over `sequence`'s group (train/sequence_parallel.py): the batches
@@ -581,7 +590,7 @@ class Eagle3Objective(nn.Module):
         if final.is_meta:                       # train/plan.py: the uncached loss is the bound
             return None
         read = read_rows(batch)                                             # row r: token r+1 counted
-        draft_vocab = self.draft.lm_head.weight.shape[0]
+        draft_vocab = self.draft.config.draft_vocab_size
         if int(read.sum()) * draft_vocab * 4 > self.cfg.target_cache_bytes:
             return None
         with torch.no_grad():

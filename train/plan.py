@@ -21,11 +21,14 @@ bench/gpu_train.py's plain step):
                   partition p*Psi/N plus one reduce bucket (reduce_bucket_size elements)
   optimizer       AdamW: fp32 master copy 4*Psi and two fp32 moments 8*Psi, divided by N at ZeRO
                   stages 1-3 (stage 0 in fp32 has no master copy: the weights are the master)
-  frozen verifier the draft's frozen embedding [V, H] and the objective's verifier lm_head [V, H]
-                  (buffers: never partitioned, whole on every rank at every stage), the draft's
-                  frozen final norm and lm_head (parameters; ZeRO-3 partitions them, but the
-                  objective reads lm_head outside its module, so it is gathered whole for the
-                  entire forward and backward: counted whole)
+  frozen verifier the draft's frozen embedding [V, H] and the verifier's lm_head [V, H] (buffers:
+                  never partitioned, whole on every rank at every stage; a draft of the full
+                  vocabulary with a frozen head reads the verifier's lm_head itself, so it is one
+                  tensor), the draft's frozen final norm, and a pruned or trained draft lm_head
+                  (parameters; ZeRO-3 partitions them, but the objective reads lm_head outside its
+                  module, so it is gathered whole for the entire forward and backward: counted
+                  whole). On a GPU each rank holds its copy; ranks on one CPU machine map the
+                  verifier's files and share one (train/loop.py build_objective)
   micro-batch     the packed rows on the device: aux [B, T, n_aux*H] and final [B, T, H] in bf16,
                   ids, loss mask, positions, segments; with SP, the rank's T/SP positions of each
                   row and the halo after them (the longest TTT chain + 1 rows, read ahead)
@@ -88,6 +91,7 @@ from torch.utils._pytree import tree_leaves
 
 from model.batch import Batch
 from model.draft import DraftConfig, build_draft
+from model.verifier_weights import VerifierHead
 from train.deepspeed_setup import precision_of
 from train.objective import Eagle3Objective, ObjectiveConfig, _Blocks
 from train import sequence_parallel
@@ -203,9 +207,14 @@ def measure_step(objective: Eagle3Objective, batch: Batch, steps: int | None = N
 # ---- the model and batch on meta -------------------------------------------------------------
 def meta_objective(draft_cfg: DraftConfig, objective_cfg: ObjectiveConfig, dtype: torch.dtype) -> Eagle3Objective:
     """The training module as DeepSpeed holds it: weights in the training dtype, the frozen
-    verifier tensors cast to it too (Eagle3Objective.cast_buffers)."""
+    verifier tensors in it too, the lm_head the draft's and the targets' where the draft shares the
+    verifier's (train/loop.py build_objective)."""
     draft = build_draft(draft_cfg, "meta")
-    target_head = torch.empty(draft_cfg.vocab_size, draft_cfg.hidden_size, device="meta")
+    V, H = draft_cfg.vocab_size, draft_cfg.hidden_size
+    head = VerifierHead(torch.empty(V, H, dtype=dtype, device="meta"), torch.empty(H, dtype=dtype, device="meta"),
+                        torch.empty(V, H, dtype=dtype, device="meta"))
+    draft.take_verifier_head(head)
+    target_head = draft.lm_head.weight if draft.lm_head.weight is head.lm_head else head.lm_head
     objective = Eagle3Objective(draft, target_head, objective_cfg).to(dtype)
     objective.cast_buffers(dtype)
     return objective
@@ -394,8 +403,8 @@ def memory_plan(draft_cfg: DraftConfig, spec: PlanSpec, name: str = "") -> Memor
     optimizer = master + 8 * shard
     optimizer_note = ("fp32 master + 2 fp32 moments" if master else "2 fp32 moments") + (
         ", partitioned" if stage >= 1 else "")
-    frozen_bytes = (sum(b.untyped_storage().nbytes() for b in objective.buffers())
-                    + sum(t.untyped_storage().nbytes() for t in frozen))
+    frozen_storages = {_storage_key(t): t.untyped_storage().nbytes() for t in (*objective.buffers(), *frozen)}
+    frozen_bytes = sum(frozen_storages.values())
     # The draft runs on the rank's positions only; the halo rows are read by the shifts alone.
     batch = meta_batch(draft_cfg, spec.micro_batch, spec.tokens_per_rank)
     cut = meta_batch(draft_cfg, spec.micro_batch, spec.tokens_per_rank + spec.halo)
@@ -412,7 +421,7 @@ def memory_plan(draft_cfg: DraftConfig, spec: PlanSpec, name: str = "") -> Memor
         PlanRow("gradients", grads, grads_note),
         PlanRow("optimizer states", optimizer, optimizer_note),
         PlanRow("frozen verifier tensors", frozen_bytes,
-                "embedding, verifier lm_head, draft norm + lm_head: whole on every rank"),
+                "embedding, lm_head (one, where the draft's is the verifier's), norm: whole on every rank"),
         PlanRow("micro-batch", batch_bytes, "aux + final states (bf16), ids, masks" + (
             f": {spec.tokens_per_rank} positions of each row + {spec.halo} read ahead"
             if spec.sequence_parallel > 1 else "")),
@@ -438,7 +447,8 @@ def memory_plan(draft_cfg: DraftConfig, spec: PlanSpec, name: str = "") -> Memor
     persistent_total = params + grads + optimizer + frozen_bytes + batch_bytes
     total = persistent_total + max(step.peak_bytes + gathers, step_grad)
     name = name or f"draft H {draft_cfg.hidden_size}, V {draft_cfg.vocab_size}"
-    return MemoryPlan(name, spec, psi, sum(t.numel() for t in frozen), rows, total, step)
+    frozen_numel = {_storage_key(t): t.numel() for t in (*objective.buffers(), *frozen) if t.is_floating_point()}
+    return MemoryPlan(name, spec, psi, sum(frozen_numel.values()), rows, total, step)
 
 
 # ---- command line ------------------------------------------------------------------------------

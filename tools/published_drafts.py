@@ -71,7 +71,7 @@ def _template(draft: Eagle3Draft, family: str) -> dict[str, Any]:
 
 def _torchspec_tensors(draft: Eagle3Draft, embedding: torch.Tensor) -> dict[str, torch.Tensor]:
     """TorchSpec's draft state_dict: embed_tokens + the modules this project names alike, bf16."""
-    tensors = {"embed_tokens.weight": embedding, **draft.state_dict()}
+    tensors = {"embed_tokens.weight": embedding, **draft.exported_state()}
     return {k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()}
 
 
