@@ -3,11 +3,13 @@
 Work comes in rounds of `batch_size` conversations of this rank (a regeneration round decodes them
 together), and each round's samples are captured in engine calls of at most
 `capture.max_batch_tokens` tokens (`token_batches`; a longer sample goes alone), so the captured
-states held at once follow that budget, not the round nor the data set. Shards close only between
-engine calls. Resuming is exact: rounds are cut from the rank's whole stream of conversations
-(done ones included) and calls from a round's whole list of samples, so a resumed run decodes and
-captures every unfinished sample in the same company as an uninterrupted run would (batched
-numerics depend on it); only calls with a sample not yet in the store run again, whole.
+states held at once follow that budget, not the round nor the data set. A shard closes wherever
+the next sample would take it past store.shard_bytes, inside a call too (at Kimi's width a call of
+65,536 tokens holds 3.75 GiB of states, 14 shards of 256 MiB). Resuming is exact: rounds are cut
+from the rank's whole stream of conversations (done ones included) and calls from a round's whole
+list of samples, so a resumed run decodes and captures every unfinished sample in the same company
+as an uninterrupted run would (batched numerics depend on it); only calls with a sample not yet in
+the store run again, whole, and add only those samples.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from typing import Any, TypeVar
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from data.conversations import Conversation, ReadStats, load_conversations
 from data.split import held_out_by
@@ -125,8 +127,7 @@ def write_batch(writer: StoreWriter, capture: HiddenStateCapture, samples: list[
                            sample.origin)
         if not added and rejections is not None:
             rejections.note(writer.stats.rejected[sample.id])
-    # Shards close only between batches, so a resumed run forms the same batches.
-    writer.commit_if_full()
+    writer.commit_if_full()            # a sample larger than a shard alone
     return tokens
 
 
@@ -176,7 +177,7 @@ def run_dump(cfg: DictConfig, llm=None) -> dict[str, Any]:
     if cfg.data.on_error == "raise":
         check_input(cfg.data, cfg.split)
     vdir = verifier_dir(cfg.verifier)
-    tokenizer = AutoTokenizer.from_pretrained(vdir)
+    tokenizer = Verifier.from_conf(cfg.verifier).tokenizer()
     heldout = held_out_by(cfg.heldout_split.heldout_fraction, cfg.heldout_split.heldout_seed, cfg.data.format)
     writer = open_writer(cfg.output_dir, cfg.verifier, cfg.store, OmegaConf.to_container(cfg, resolve=True),
                          cfg.rank, cfg.world_size, heldout)
@@ -197,7 +198,8 @@ def run_dump(cfg: DictConfig, llm=None) -> dict[str, Any]:
         # process can open it again.
         with writer:
             if own_engine:
-                llm = start_capture_engine(vdir, cfg.engine, spec, cfg.max_len)
+                llm = start_capture_engine(vdir, cfg.engine, spec, cfg.max_len,
+                                           trust_remote_code=cfg.verifier.trust_remote_code)
             capture = HiddenStateCapture(llm, spec)
             for batch in batched(owned, cfg.batch_size):
                 todo = sum(c.id not in done for c in batch)

@@ -18,13 +18,15 @@ Rows, bytes:
                    process of its own; on a Ray cluster also Ray's object store): 2p (a piece and
                    its message). A piece holds one request's rows: p = min(PIECE_BYTES, max_len * b)
   dump process     the call's states as received: tokens * b, each sample's let go once the store
-                   writer encoded it; one piece on its way in: 2p. The writer's buffer: under
-                   store.shard_bytes before the call (shards close only between calls), plus the
-                   call's samples as the store encodes them (ids, mask, aux and final at the
-                   store's widths, every row: an upper bound where final_rows is loss); at the
-                   commit after the call the buffer is concatenated into the shard's arrays, a
-                   second copy. Peak: max(shard_bytes + tokens * b + 2p, 2 * (shard_bytes + the
-                   call as stored))
+                   writer encoded it; one piece on its way in: 2p. The writer's buffer: at most
+                   B = max(store.shard_bytes, one sample as stored) (a shard closes before the
+                   sample that would overflow it, inside a call too; ids, mask, aux and final at the
+                   store's widths, every row: an upper bound where final_rows is loss), and at a
+                   commit its arrays concatenated into the shard's, a second copy. While a call's
+                   samples move from its states into the buffer their sum stays under the call's
+                   states plus what the buffer held before. Peak: tokens * b + 2p + 2B, plus the
+                   process itself (`python -m dump plan` measures an interpreter with the dump's
+                   imports and the verifier's tokenizer: `process_bytes`)
   device           vLLM takes gpu_memory_utilization of each GPU up front for weights,
                    activations and KV cache (its own figures, not computed here). Inside that: the
                    aux outputs of one forward step, n_aux * max_num_batched_tokens * H * dtype bytes
@@ -33,9 +35,9 @@ Rows, bytes:
                    the normed final state of a step, max_num_batched_tokens * H * dtype bytes, on
                    the keeping worker's GPU, outside that profile.
 
-Not counted: vLLM's own host memory (the engine processes, the tokenizer, pinned buffers, model
-loading), the dump's Python objects and the tokenized samples of a round (token ids: 8 bytes per
-token at most), and allocator slack.
+Not counted: vLLM's own host memory (the engine processes, the weights they load and repack, the
+KV cache, the LLM client object in the dump process, pinned buffers), the tokenized samples of a
+round (token ids: 8 bytes per token at most), and allocator slack.
 """
 from __future__ import annotations
 
@@ -157,9 +159,10 @@ class CallPlan:
         return "\n".join(lines)
 
 
-def call_plan(spec: CallSpec, tokens: int | None = None) -> CallPlan:
+def call_plan(spec: CallSpec, tokens: int | None = None, process_bytes: int | None = None) -> CallPlan:
     """The rows of the module docstring for one call of `tokens` tokens (default: the bound,
-    max(max_batch_tokens, max_len))."""
+    max(max_batch_tokens, max_len)); process_bytes: the dump process before its first call
+    (`measure_process`), left out where None."""
     tokens = spec.tokens if tokens is None else tokens
     call = tokens * spec.bytes_per_token
     piece = min(spec.piece_bytes, spec.max_len * spec.bytes_per_token)  # pieces never span requests
@@ -172,14 +175,20 @@ def call_plan(spec: CallSpec, tokens: int | None = None) -> CallPlan:
     if spec.executor != "uni":  # the worker runs outside the engine core process
         rows.append(PlanRow(RELAY, "piece relayed", 2 * piece, "a piece and its message"))
         peaks[RELAY] = 2 * piece
+    sample = int(min(spec.max_len, tokens) * spec.stored_bytes_per_token)
+    buffer = min(max(spec.shard_bytes, sample), stored + spec.shard_bytes)
     rows += [
         PlanRow(DUMP, "the call's states", call, "received; each let go once the writer encoded it"),
         PlanRow(DUMP, "piece in", 2 * piece, "a message and the piece decoded from it"),
-        PlanRow(DUMP, "store writer buffer", spec.shard_bytes + stored,
-                f"< shard_bytes + the call as stored ({spec.stored_bytes_per_token:,.0f} B/token)"),
-        PlanRow(DUMP, "shard arrays at commit", spec.shard_bytes + stored, "the buffer concatenated"),
+        PlanRow(DUMP, "store writer buffer", buffer,
+                f"<= max(shard_bytes, one sample as stored: {spec.stored_bytes_per_token:,.0f} B/token)"),
+        PlanRow(DUMP, "shard arrays at commit", buffer, "the buffer concatenated"),
     ]
-    peaks[DUMP] = max(spec.shard_bytes + call + 2 * piece, 2 * (spec.shard_bytes + stored))
+    peaks[DUMP] = call + 2 * piece + 2 * buffer
+    if process_bytes is not None:
+        rows.append(PlanRow(DUMP, "the process", process_bytes,
+                            "measured: an interpreter with the dump's imports and the verifier's tokenizer"))
+        peaks[DUMP] += process_bytes
     step = spec.max_num_batched_tokens * spec.hidden_size * DTYPE_BYTES[spec.dtype]
     utilization = ("not set" if spec.gpu_memory_utilization is None
                    else f"{spec.gpu_memory_utilization:.2f} of each GPU")
@@ -191,15 +200,47 @@ def call_plan(spec: CallSpec, tokens: int | None = None) -> CallPlan:
     return CallPlan(spec, tokens, rows, peaks)
 
 
+# Run in a fresh interpreter: what a dump process holds before its first engine call.
+_PROCESS_SCRIPT = """
+import infra, resource, sys
+infra.configure_environment()
+import dump.pipeline, vllm
+from config import compose_config
+from model.verifier_handle import Verifier
+cfg = compose_config("dump", sys.argv[1:])
+try:
+    Verifier.from_conf(cfg.verifier).tokenizer()
+except (OSError, ValueError):
+    pass
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def measure_process(overrides: list[str]) -> int | None:
+    """Peak RSS of an interpreter that imports what a dump imports and loads the verifier's
+    tokenizer (where its folder is on this machine); None where it cannot run here."""
+    import subprocess
+
+    from infra import REPO_ROOT
+
+    done = subprocess.run([sys.executable, "-c", _PROCESS_SCRIPT, *overrides], capture_output=True, text=True,
+                          cwd=REPO_ROOT, stdin=subprocess.DEVNULL)
+    lines = done.stdout.split()
+    return int(lines[-1]) if done.returncode == 0 and lines and lines[-1].isdigit() else None
+
+
 def main(argv: list[str], out: Callable[[str], None] = print) -> int:
     from config import compose_config
 
     parser = argparse.ArgumentParser(prog="python -m dump plan",
                                      description="Memory of one capture engine call, per process, from the config.")
     parser.add_argument("--json", type=Path, help="also write the plan as JSON to this file ('-': stdout)")
+    parser.add_argument("--no-process", action="store_true",
+                        help="leave out the dump process itself (measured by starting an interpreter, a few seconds)")
     parser.add_argument("overrides", nargs="*", help="hydra overrides of conf/dump.yaml")
     args = parser.parse_args(argv)
-    plan = call_plan(call_spec(compose_config("dump", args.overrides)))
+    spec = call_spec(compose_config("dump", args.overrides))
+    plan = call_plan(spec, process_bytes=None if args.no_process else measure_process(args.overrides))
     document = json.dumps({**plan.to_json(), "overrides": args.overrides}, indent=2)
     if args.json is not None and str(args.json) == "-":
         out(document)

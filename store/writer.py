@@ -100,8 +100,10 @@ class WriterStats:
 
 
 class StoreWriter:
-    """Writes one rank's share of a store: `add` buffers samples, `commit_if_full` (called where
-    the caller allows a shard to end) and `close` commit them a shard at a time.
+    """Writes one rank's share of a store: `add` buffers samples, and commits the buffered ones as
+    a shard first where the new sample would take them past storage.shard_bytes (so a shard holds
+    at most shard_bytes of buffered arrays, or one sample that alone is larger); `commit_if_full`
+    commits a buffer that has reached shard_bytes, `close` what is left.
 
     Reopening a store after a crash resumes it: this rank's unfinished shards are removed, its
     committed shards missing from its manifest adopted, and `done_sample_ids()` says what to skip.
@@ -230,7 +232,9 @@ class StoreWriter:
         """Buffer a sample (input_ids [T], loss_mask [T], aux [T, n_aux, H], final [T, H]: every
         row; the storage settings choose what is kept of final); False when it is rejected for
         non-finite hidden states or no tokens, its record (naming `origin`, the record it came
-        from) then in `stats.rejected`. Nothing is written until `commit_if_full` or `close`."""
+        from) then in `stats.rejected`. Where the sample would take its buffer past
+        storage.shard_bytes, the buffer is committed first (`_commit_buffer`): at Kimi's width one
+        capture call holds many shards' worth of states."""
         if self._closed:
             raise RuntimeError(f"store writer for {self.path} is closed")
         self._check_new(sample_id)
@@ -241,24 +245,30 @@ class StoreWriter:
             self._record_rejection(rejection)
             return False
         heldout = self._heldout is not None and self._heldout(sample_id)
-        arrays = encode_sample(self.storage, self._target_head, ids, mask, aux_t, final_t)
-        self._buffers[heldout].add(Pending(sample_id, arrays))
+        pending = Pending(sample_id, encode_sample(self.storage, self._target_head, ids, mask, aux_t, final_t))
+        buffer = self._buffers[heldout]
+        if buffer.samples and buffer.nbytes + pending.nbytes > self.storage.shard_bytes:
+            self._commit_buffer(buffer)
+        buffer.add(pending)
         return True
 
     def commit_if_full(self) -> bool:
-        """Commit the buffered samples as a shard once they reach storage.shard_bytes.
-
-        The caller chooses where shards may end: calling this only between batches of its work
-        means a resumed run restarts on a batch boundary and forms the same batches again.
-        """
-        train, held = self._buffers[False], self._buffers[True]
-        # Held-out samples are committed with the training shard of their calls (a small shard),
-        # so a resumed dump redoes no more calls than one shard's worth.
-        full = [b for b in (train, held) if b.nbytes >= self.storage.shard_bytes
-                or (b is held and b.samples and train.nbytes >= self.storage.shard_bytes)]
+        """Commit the buffered samples as a shard once they reach storage.shard_bytes (a sample
+        that alone is larger). A caller calls it where its work allows a shard to end; `add` also
+        commits before a sample that would overflow the buffer, and a resumed dump redoes only the
+        calls with a sample not yet committed (dump/pipeline.py)."""
+        full = [b for b in self._buffers.values() if b.nbytes >= self.storage.shard_bytes]
         for buffer in full:
-            self._commit(buffer)
+            self._commit_buffer(buffer)
         return bool(full)
+
+    def _commit_buffer(self, buffer: ShardBuffer) -> None:
+        """Commit one buffer; with a training shard, the held-out samples buffered so far (a small
+        shard of their own), so that a resumed dump redoes no more calls than one shard's worth."""
+        held = self._buffers[True]
+        self._commit(buffer)
+        if buffer is not held and held.samples:
+            self._commit(held)
 
     def bytes_per_token(self) -> float:
         """Bytes on disk per token of the shards this writer committed (0 before the first)."""

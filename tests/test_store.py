@@ -140,20 +140,41 @@ def test_fp32_round_trip_is_exact_and_tokens_read_alone(tmp_path: Path) -> None:
     assert reader.verify() == []
 
 
-def test_shards_end_only_where_the_caller_allows(tmp_path: Path) -> None:
+def test_a_shard_closes_before_the_sample_that_would_overflow_it(tmp_path: Path) -> None:
+    """A shard holds at most store.shard_bytes of buffered arrays (at Kimi's width one capture call
+    holds many shards' worth), or one sample that alone is larger; the caller's commit_if_full
+    commits a full buffer, close the rest, and a failure leaves the store as a crash would."""
+    limit = int(storage()["shard_bytes"])
     with open_writer(tmp_path) as writer:
-        for sample_id in IDS[:10]:  # more than shard_bytes
+        for sample_id in IDS[:10]:  # more than two shards' worth
             writer.add(sample_id, **make_sample(sample_id))
-        assert writer.stats.shards == 0 and not list((tmp_path / SHARDS_DIR).iterdir())
-        assert writer.commit_if_full() and writer.stats.shards == 1
-        assert not writer.commit_if_full()  # nothing buffered
+        assert writer.stats.shards >= 2                      # committed while adding, no call asked
+        assert not writer.commit_if_full()                   # none is full: each closed before overflowing
         assert writer.bytes_per_token() == writer.stats.bytes / writer.stats.tokens > 0
-    assert [e.sample_ids for e in StoreReader(tmp_path).shards()] == [IDS[:10]]
+    shards = StoreReader(tmp_path).shards()
+    assert [i for e in shards for i in e.sample_ids] == IDS[:10]
+    for entry in shards:
+        assert _buffered_bytes(entry.sample_ids) <= limit, entry.name
+    committed = [e.sample_ids for e in shards]
     with pytest.raises(KeyError), open_writer(tmp_path) as writer:
         writer.add(IDS[10], **make_sample(IDS[10]))
         raise KeyError("the caller failed before its next shard boundary")
-    assert [e.sample_ids for e in StoreReader(tmp_path).shards()] == [IDS[:10]]  # as a crash
+    assert [e.sample_ids for e in StoreReader(tmp_path).shards()] == committed  # as a crash
     assert IDS[10] not in open_writer(tmp_path).done_sample_ids()
+
+
+def _buffered_bytes(sample_ids: list[str]) -> int:
+    """What the writer buffers of these samples (their encoded arrays)."""
+    from store.format import StorageSettings
+    from store.shard_buffer import encode_sample
+
+    settings = StorageSettings.from_cfg(storage())
+    total = 0
+    for i in sample_ids:
+        sample = {k: torch.as_tensor(v) for k, v in make_sample(i).items()}
+        arrays = encode_sample(settings, None, sample["input_ids"], sample["loss_mask"], sample["aux"], sample["final"])
+        total += sum(a.nbytes for a in arrays.values())
+    return total
 
 
 def test_fp8_keeps_three_mantissa_bits_per_value(tmp_path: Path) -> None:
