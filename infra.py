@@ -15,6 +15,7 @@ import errno
 import importlib
 import os
 import signal
+import socket
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -38,17 +39,21 @@ def configure_environment() -> None:
     Call it before transformers, huggingface_hub or vLLM are imported: they read it at import
     time. `setdefault` keeps whatever the user exported (a cluster's shared cache, say).
     """
+    # Compiled code (vLLM's torch.compile and CUDA-graph caches, Triton kernels, torch extensions)
+    # under a folder of this host's: a repository on a cluster's shared filesystem is seen by every
+    # node, whose compilers, GPUs and locks are their own.
+    node = CACHE / "nodes" / socket.gethostname()
     defaults = {
         # Nothing in this project may fetch a model or a data set from a hub.
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
         "HF_HOME": str(CACHE / "hf"),
-        "VLLM_CACHE_ROOT": str(CACHE / "vllm"),
+        "VLLM_CACHE_ROOT": str(node / "vllm"),
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
-        "TORCH_EXTENSIONS_DIR": str(CACHE / "torch_extensions"),
-        "TRITON_CACHE_DIR": str(CACHE / "triton"),
+        "TORCH_EXTENSIONS_DIR": str(node / "torch_extensions"),
+        "TRITON_CACHE_DIR": str(node / "triton"),
         "MPLCONFIGDIR": str(CACHE / "matplotlib"),
         "TOKENIZERS_PARALLELISM": "false",
     }

@@ -10,11 +10,13 @@ from __future__ import annotations
 from vllm.platforms import current_platform
 
 import infra
-from dump.capture import ADDITIONAL_CONFIG_KEY, enable_aux_outputs
+from dump.capture import ADDITIONAL_CONFIG_KEY, check_vllm_version, enable_aux_outputs
 
 # The project's entry point in each vLLM worker process, which may run on another node (Ray)
-# without the environment the driver's entry point set.
+# without the environment the driver's entry point set, nor the vLLM the driver checked: a Ray
+# node with another vLLM refuses to start the capture there, naming both versions.
 infra.configure_environment()
+check_vllm_version()
 
 if current_platform.is_cpu():
     from vllm.v1.worker.cpu_worker import CPUWorker as _PlatformWorker
