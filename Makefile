@@ -161,4 +161,13 @@ bench-quality: setup
 bench-follow: setup
 	$(PY) -m bench.follow $(ARGS)
 
+# A Kimi-K2 run rehearsed here at Kimi-K2's widths (hidden 7,168, vocabulary 163,840, bf16) from a
+# folder shaped like a Kimi checkpoint (tools/rehearsal_verifier.py, made on demand): dump, training
+# on 1 and 2 ranks (ZeRO-2, ZeRO-3, a kill and a resume), init_from, export, vLLM serving; each stage
+# timed, with peak RSS beside its plan: bench/results/rehearsal_k2.json. About 40 minutes on 2 cores,
+# 24 GiB, ~45 GB of disk under runs/rehearsal.
+.PHONY: rehearse
+rehearse: setup
+	$(PY) -m bench.rehearse $(ARGS)
+
 bench: bench-dump bench-train
