@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import Tensor
 
 EMBED = "model.embed_tokens.weight"
@@ -61,8 +60,7 @@ def weight_map(verifier_dir: Path) -> dict[str, str]:
     single = verifier_dir / SINGLE_FILE
     if not single.exists():
         raise FileNotFoundError(f"no {INDEX_FILE} or {SINGLE_FILE} in {verifier_dir}")
-    with safe_open(str(single), framework="pt") as f:
-        return {name: SINGLE_FILE for name in f.keys()}
+    return dict.fromkeys(map_file(single), SINGLE_FILE)
 
 
 # safetensors' dtype names (the header's "dtype") as torch dtypes.

@@ -259,7 +259,8 @@ class StoreWriter:
         calls with a sample not yet committed (dump/pipeline.py)."""
         full = [b for b in self._buffers.values() if b.nbytes >= self.storage.shard_bytes]
         for buffer in full:
-            self._commit_buffer(buffer)
+            if buffer.samples:          # a training shard's commit may have taken the held-out one
+                self._commit_buffer(buffer)
         return bool(full)
 
     def _commit_buffer(self, buffer: ShardBuffer) -> None:

@@ -6,6 +6,7 @@ uninterrupted dump writes. tools/faults.py runs the same kills against a user's 
 from __future__ import annotations
 
 import errno
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -24,8 +25,10 @@ CONVERSATIONS = 12
 # The killed dumps run vLLM's engine core inside the dump process: what a kill must not break is
 # the store's commit and resume (the dump process writes the store either way), and each run
 # starts without spawning the engine-core and worker processes. The store they end with must
-# still equal, bit for bit, the uninterrupted one of the session's multiprocess engine.
-IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# still equal, bit for bit, the uninterrupted one of the session's multiprocess engine. With
+# OMP_NUM_THREADS unset an in-process engine core cuts the torch threads to 1, and on a CPU with AMX
+# fp32 matmuls on 1 and 2 threads differ in their last bits.
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(os.cpu_count())}
 OVERRIDES = ["data=jsonl", "max_len=512", "batch_size=2", "store.shard_bytes=1", "regenerate.max_tokens=16"]
 
 

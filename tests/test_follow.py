@@ -196,7 +196,7 @@ def full_store(tmp_path_factory: pytest.TempPathFactory, data_file: Path, verifi
 CONCURRENT_KILLS = {"dump": "store.shard.before_rename:2:kill", "train": "train.window.checkpointed:1:kill"}
 # The killed dump runs vLLM's engine core in its own process, so that a SIGKILL leaves no engine
 # process behind (as tests/test_faults.py does).
-IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(os.cpu_count())}  # as in test_faults.py
 
 
 @pytest.mark.vllm

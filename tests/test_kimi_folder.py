@@ -8,11 +8,14 @@ vLLM speculative decoding.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from config import compose_config
+from infra import REPO_ROOT
 from tests.conftest import in_process_vllm
 
 NAME = "kimi-tiny-kimi-folder"
@@ -102,7 +105,6 @@ def test_dump_train_and_evaluate_on_a_kimi_folder(kimi_folder: Path, tmp_path: P
     from dump.pipeline import run_dump
     from evaluation.run import evaluate_draft
     from store import inspect_store
-    from train import loop
 
     store = tmp_path / "store"
     dump_cfg = compose_config("dump", [*_verifier(kimi_folder), "data.max_samples=8", "max_len=256",
@@ -115,10 +117,12 @@ def test_dump_train_and_evaluate_on_a_kimi_folder(kimi_folder: Path, tmp_path: P
         assert summary["samples_written"] >= 6
         assert set(summary["rejected_by_kind"]) <= {"no assistant turn"}
         assert inspect_store(store)["problems"] == []
-        run = loop.fit(compose_config("train", [*_verifier(kimi_folder), f"store_dir={store}", "train.steps=2",
-                                                "train.max_len=256", "train.num_workers=0", "eval.every=0"]),
-                       tmp_path / "run")
-        draft = Path(run["exported"])
+        # In a process of its own: this one's in-process vLLM engine below replaces the process
+        # group an in-process training would leave for the tests after it.
+        subprocess.run([sys.executable, "-m", "train", *_verifier(kimi_folder), f"store_dir={store}",
+                        "train.steps=2", "train.max_len=256", "train.num_workers=0", "eval.every=0",
+                        f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO_ROOT, check=True, timeout=600)
+        draft = tmp_path / "run" / "draft"
         eval_cfg = compose_config("eval", [*_verifier(kimi_folder), f"draft_dir={draft}", "num_prompts=2",
                                            "max_tokens=16", "max_len=256", "sampled.enabled=false"])
         with in_process_vllm():
