@@ -206,7 +206,10 @@ class Rehearsal:
         inspect = subprocess.run([PY, "-m", "dump", "inspect", str(self.store)], capture_output=True, text=True,
                                  cwd=infra.REPO_ROOT)
         summary = json.loads((self.store / "summaries" / "rank-00000.json").read_text())
-        run |= {"plan_gib": {p: round(b / GIB, 3) for p, b in plan["peak_bytes"].items()},
+        from dump.plan import DUMP
+
+        run |= {"plan_gib": round(plan["peak_bytes"][DUMP] / GIB, 3),
+                "plan_gib_by_process": {p: round(b / GIB, 3) for p, b in plan["peak_bytes"].items()},
                 "inspect_ok": inspect.returncode == 0 and "OK" in inspect.stdout,
                 "samples": summary["samples_written"], "tokens": summary["tokens_written"],
                 "settings": dump_settings(overrides)}

@@ -140,6 +140,9 @@ def row_sample(sample: Sample) -> RowSample:
 
 
 def _worker_init(_: int) -> None:
+    from train.worker_server import bind_to_parent
+
+    bind_to_parent()          # dies with the fork server, which dies with the rank
     torch.set_num_threads(1)  # workers decode and copy; the trainer's threads do the math
 
 
@@ -147,9 +150,10 @@ def _worker_context() -> multiprocessing.context.BaseContext:
     """Workers forked from a small server process, not from the trainer: a worker forked from a
     trainer keeps every page the trainer writes after the fork (its optimizer states, master
     weights), 3.2 GiB per worker for the Kimi-K2 draft on 2 ranks, which took the machine into
-    reclaim. The server imports this module once; each worker then forks from it in milliseconds."""
+    reclaim. The server (train/worker_server.py) imports this module once and dies with the rank;
+    each worker then forks from it in milliseconds."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([__name__])
+    context.set_forkserver_preload(["train.worker_server"])
     return context
 
 
