@@ -138,8 +138,12 @@ def make_llm(model_dir: Path, engine: DictConfig, *, trust_remote_code: bool, **
     from model.verifier_handle import check_remote_code
 
     check_remote_code(model_dir, trust_remote_code)
-    if engine.kv_cache_space_gib is not None:
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{engine.kv_cache_space_gib:g}"
+    space = engine.kv_cache_space_gib
+    if space is not None and float(space).is_integer():
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{int(space)}"
+    elif space is not None:      # vLLM's variable takes whole GiB; a fraction goes as bytes
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        extra = {"kv_cache_memory_bytes": int(space * 2**30), **extra}
     if engine.reserved_cpus is not None:
         os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = f"{engine.reserved_cpus}"
     # dump/capture.py ships its hook functions to the workers through collective_rpc, which
