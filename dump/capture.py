@@ -56,6 +56,7 @@ from typing import Any
 
 import torch
 
+from dump.engine import generate_together
 from store import AUX_CAPTURES
 
 _STATE_ATTR = "_eagle3_capture"
@@ -416,7 +417,7 @@ class HiddenStateCapture:
         try:
             # Plain ints: vLLM's request encoder rejects numpy scalars.
             requests = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            outputs = generate_together(self.llm, requests, params)
         finally:
             self.llm.collective_rpc(_arm, args=(False,))
         try:

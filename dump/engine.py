@@ -155,6 +155,27 @@ def make_llm(model_dir: Path, engine: DictConfig, *, trust_remote_code: bool, **
                **{**engine_kwargs(engine), **extra})
 
 
+def generate_together(llm, prompts: list[Any], params: Any) -> list[Any]:
+    """llm.generate(prompts, params), with every request in the engine before it schedules a step.
+
+    A multiprocess engine core schedules while requests are still arriving, so the company of a
+    call's first steps, and with it the batched numerics (the last bits of fp32; at times a greedy
+    token), depend on timing: two runs of one capture call differed in one row of one sample's
+    final state. Scheduling paused while the requests go in (vLLM's sleep level 0, requests kept)
+    makes a call's steps the same in every run, which an exact resume relies on."""
+    llm.sleep(level=0, mode="keep")
+    try:
+        ids = llm.enqueue(prompts, params, use_tqdm=False)
+    finally:
+        llm.wake_up(tags=["scheduling"])
+    # In the order of `prompts`, as llm.generate's: vLLM sorts finished requests by their counter.
+    outputs = llm.wait_for_completion(use_tqdm=False)
+    if len(outputs) != len(ids):
+        raise RuntimeError(f"the engine finished {len(outputs)} requests of the {len(ids)} just added: "
+                           "another caller is using it at the same time")
+    return outputs
+
+
 def shutdown_llm(llm) -> None:
     """Stop the engine's worker process now; a teardown left to interpreter exit can abort it."""
     llm.llm_engine.engine_core.shutdown()

@@ -20,6 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from data.conversations import Conversation, Message
 from data.template import as_chat, prompt_ids
+from dump.engine import generate_together
 
 
 def sample_seed(sample_id: str, base_seed: int) -> int:
@@ -61,7 +62,7 @@ def regenerate(llm, tokenizer: PreTrainedTokenizerBase, conversations: Sequence[
                 max_tokens=min(cfg.max_tokens, max_len - len(ids)), stop_token_ids=stop)))
         if not requests:
             break
-        outputs = llm.generate(requests, [p for _, p in owners], use_tqdm=False)
+        outputs = generate_together(llm, requests, [p for _, p in owners])
         for (i, _), out in zip(owners, outputs):
             text = tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)
             done[i].append(Message("assistant", text))

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig
 
 from evaluation.accept import AcceptCounts
+from dump.engine import generate_together
 
 if TYPE_CHECKING:
     from vllm.platforms.interface import Platform
@@ -149,7 +150,7 @@ def run_prompts(llm, prompts: Sequence[Sequence[int]], K: int, max_tokens: int, 
     requests = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
     before = read_counters(llm, K)
     began = time.perf_counter()
-    outputs = llm.generate(requests, params, use_tqdm=False)
+    outputs = generate_together(llm, requests, params)
     wall = time.perf_counter() - began
     after = read_counters(llm, K)
     delta = AcceptCounts(after.drafts - before.drafts,

@@ -63,6 +63,25 @@ def verifier_llm(kimi_tiny_dir: Path, cpu_engine_cfg: DictConfig) -> Iterator[ob
     gc.collect()
 
 
+def _torch_threads(worker) -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+@pytest.fixture(scope="session")
+def in_process_dump_env(verifier_llm) -> dict[str, str]:
+    """The environment of a `python -m dump` whose engine core runs in the dump process (a SIGKILL
+    then leaves no engine process behind), on as many torch threads as the shared engine's worker:
+    vLLM gives its worker one thread per physical core it binds (1 on a 2-vCPU machine with SMT,
+    2 on 2 cores without), an in-process engine core 1 unless OMP_NUM_THREADS says otherwise, and
+    fp32 matmuls on 1 and 2 threads may differ in their last bits (they do with AMX). A store
+    dumped this way then equals, bit for bit, one of the shared engine on any of these CPUs."""
+    threads = set(verifier_llm.collective_rpc(_torch_threads))
+    assert len(threads) == 1, threads
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(threads.pop())}
+
+
 @contextmanager
 def in_process_vllm() -> Iterator[None]:
     """Engines started inside run their engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0):

@@ -183,3 +183,19 @@ def test_a_dump_stopped_between_the_calls_of_a_round_resumes_to_the_uninterrupte
     resumed = run_dump(cfg(tmp_path / "stopped"), llm=verifier_llm)
     assert resumed["samples_already_done"] == kept and resumed["samples_written"] == 6 - kept
     assert store_differences(tmp_path / "whole", tmp_path / "stopped") == []
+
+
+def test_an_engine_call_is_scheduled_the_same_way_every_time(fp32_store: Path, verifier_llm) -> None:
+    """The same capture call on the shared multiprocess engine, several times: the states are equal
+    bit for bit. The engine core schedules while requests arrive, so without the pause of
+    dump.engine.generate_together a call's first steps held whichever requests had come, and a
+    sample's states differed in their last bits from one run to the next."""
+    from dump.capture import HiddenStateCapture, capture_spec
+
+    reader = StoreReader(fp32_store)
+    prompts = [[int(t) for t in reader.read_sample(ref).input_ids] for ref in reader.samples()]
+    capture = HiddenStateCapture(verifier_llm, capture_spec(compose_config("dump").verifier))
+    first, *again = [capture.capture(prompts) for _ in range(4)]
+    for run in again:
+        for i, (a, b) in enumerate(zip(first, run)):
+            assert torch.equal(a.final, b.final) and torch.equal(a.aux, b.aux), f"prompt {i}"

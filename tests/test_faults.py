@@ -6,7 +6,6 @@ uninterrupted dump writes. tools/faults.py runs the same kills against a user's 
 from __future__ import annotations
 
 import errno
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -22,13 +21,11 @@ from tools.faults import kill_chain, store_differences
 pytestmark = [pytest.mark.vllm, pytest.mark.faults]
 
 CONVERSATIONS = 12
-# The killed dumps run vLLM's engine core inside the dump process: what a kill must not break is
-# the store's commit and resume (the dump process writes the store either way), and each run
-# starts without spawning the engine-core and worker processes. The store they end with must
-# still equal, bit for bit, the uninterrupted one of the session's multiprocess engine. With
-# OMP_NUM_THREADS unset an in-process engine core cuts the torch threads to 1, and on a CPU with AMX
-# fp32 matmuls on 1 and 2 threads differ in their last bits.
-IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(os.cpu_count())}
+# The killed dumps run vLLM's engine core inside the dump process (conftest's in_process_dump_env):
+# what a kill must not break is the store's commit and resume (the dump process writes the store
+# either way), and each run starts without spawning the engine-core and worker processes. The
+# store they end with must still equal, bit for bit, the uninterrupted one of the session's
+# multiprocess engine.
 OVERRIDES = ["data=jsonl", "max_len=512", "batch_size=2", "store.shard_bytes=1", "regenerate.max_tokens=16"]
 
 
@@ -50,9 +47,10 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory, data_file: Path, ver
 
 
 def test_dump_killed_at_random_points_resumes_to_the_uninterrupted_store(
-        tmp_path: Path, data_file: Path, uninterrupted: Path) -> None:
+        tmp_path: Path, data_file: Path, uninterrupted: Path, in_process_dump_env: dict[str, str]) -> None:
     out = tmp_path / "killed"
-    kills = kill_chain(out, [*OVERRIDES, f"data.path={data_file}"], fault_points(), seed=14, extra_env=IN_PROCESS)
+    kills = kill_chain(out, [*OVERRIDES, f"data.path={data_file}"], fault_points(), seed=14,
+                       extra_env=in_process_dump_env)
     print("kills:", [(k.point, k.hit, k.outcome, k.samples_after) for k in kills])
     assert any(k.outcome == "killed" for k in kills)
     assert store_differences(uninterrupted, out) == []

@@ -194,14 +194,12 @@ def full_store(tmp_path_factory: pytest.TempPathFactory, data_file: Path, verifi
 # with a shard written but not committed (its tmp folder on disk), the trainer after its first
 # window's checkpoint, before that window's retirement.
 CONCURRENT_KILLS = {"dump": "store.shard.before_rename:2:kill", "train": "train.window.checkpointed:1:kill"}
-# The killed dump runs vLLM's engine core in its own process, so that a SIGKILL leaves no engine
-# process behind (as tests/test_faults.py does).
-IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(os.cpu_count())}  # as in test_faults.py
 
 
 @pytest.mark.vllm
 def test_a_trainer_follows_a_bounded_dump_and_trains_on_every_sample(
-        tmp_path: Path, data_file: Path, full_store: Path, kimi_tiny_dir: Path) -> None:
+        tmp_path: Path, data_file: Path, full_store: Path, kimi_tiny_dir: Path,
+        in_process_dump_env: dict[str, str]) -> None:
     """A real dump and a following trainer at once, each killed once and started again: the trainer
     trains every training sample exactly once (train.epochs=1), the disk stays within the bound
     plus one shard, retired shards are recorded and only held-out shards stay."""
@@ -218,7 +216,7 @@ def test_a_trainer_follows_a_bounded_dump_and_trains_on_every_sample(
                 # shards and two training shards exceed: the dump waits whatever the timing.
                 "train": [sys.executable, "-m", "train", *_train_overrides(store, kimi_tiny_dir), "train.resume=auto",
                           "train.follow_window=2", f"hydra.run.dir={run}"]}
-    envs = {"dump": _env() | IN_PROCESS, "train": _env()}
+    envs = {"dump": _env() | in_process_dump_env, "train": _env()}  # no engine process left by a kill
     logs: dict[str, list[Path]] = {"dump": [], "train": []}
     codes: dict[str, list[int]] = {"dump": [], "train": []}
 
