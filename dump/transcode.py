@@ -86,7 +86,7 @@ def transcode(src: str | Path, dst: str | Path, overrides: list[str] | None = No
     return {"source": str(source.path), "store": str(resolve(dst)), "mode": cfg.store.mode,
             "samples": len(todo), "samples_done_earlier": len(done), "tokens": tokens,
             "writer_seconds": seconds, "writer_tokens_per_s": tokens / seconds if seconds else None,
-            "bytes_per_token": writer.bytes_per_token}
+            "bytes_per_token": writer.bytes_per_token()}
 
 
 def _read_dtype(source: StoreReader):

@@ -89,3 +89,19 @@ def test_refuses_what_the_source_does_not_hold(source: Path, tmp_path: Path) -> 
         transcode(tmp_path / "lossless", tmp_path / "all", ["store=lossless", "store.final_rows=all"],
                   progress=False)
     assert not (tmp_path / "back").exists() and not (tmp_path / "all").exists()   # refused before writing
+
+
+def test_the_command_prints_its_summary(source: Path, tmp_path: Path) -> None:
+    """`python -m dump transcode SRC DST store=lossless` itself: it exits 0 and prints its summary
+    as JSON, bytes per token a number."""
+    import json
+    import subprocess
+    import sys
+
+    from infra import REPO_ROOT
+
+    done = subprocess.run([sys.executable, "-m", "dump", "transcode", str(source), str(tmp_path / "lossless"),
+                           "store=lossless"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout[done.stdout.index("{"):])
+    assert summary["samples"] == N_SAMPLES and summary["bytes_per_token"] > 0
