@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -122,6 +123,7 @@ class Rehearsal:
     # -- dump -------------------------------------------------------------------------------------
     def dump_stage(self) -> None:
         overrides = self.dump_overrides()
+        fresh(self.store)
         plan = plan_json([PY, "-m", "dump", "plan", *overrides, "--json", "-"])
         run = checked(watch([PY, "-m", "dump", *overrides], log=self.logs / "dump.log"), "the dump")
         inspect = subprocess.run([PY, "-m", "dump", "inspect", str(self.store)], capture_output=True, text=True,
@@ -146,6 +148,7 @@ class Rehearsal:
 
     def train_zero2(self) -> None:
         overrides = self.train_overrides("train-zero2", "zero2", self.args.steps, ["train.checkpoint_every=0"])
+        fresh(self.work / "train-zero2")
         plan = self.train_plan(overrides, 1)
         run = checked(watch([PY, "-m", "train", *overrides], log=self.logs / "train-zero2.log"), "ZeRO-2 training")
         run |= {"plan_gib": plan, "peak_rss_gib": run["processes"].get("train", {}).get("peak_rss_gib"),
@@ -153,7 +156,7 @@ class Rehearsal:
         self.stage("train_zero2_1rank", run)
 
     def train_zero3(self) -> None:
-        run_dir = self.work / "train-zero3"
+        run_dir = fresh(self.work / "train-zero3")
         overrides = self.train_overrides("train-zero3", "zero3", self.args.steps,
                                          ["train.grad_accum=1", "train.checkpoint_every=2"])
         plan = self.train_plan(overrides, 2)
@@ -172,7 +175,8 @@ class Rehearsal:
             "node_used_peak_gib": max(killed["node_used_peak_gib"], resumed["node_used_peak_gib"]), **facts})
 
     def init_from(self) -> None:
-        folder = self.work / "torchspec-k2"
+        folder = fresh(self.work / "torchspec-k2")
+        fresh(self.work / "train-init-from")
         made = checked(watch([PY, "-m", "bench.rehearse", "--make-torchspec", str(folder), "--folder", str(self.folder)],
                              log=self.logs / "torchspec.log"), "the TorchSpec-style folder")
         overrides = self.train_overrides("train-init-from", "zero2", 1, [f"train.init_from={folder}", "train.export=false"])
@@ -200,6 +204,12 @@ class Rehearsal:
 
 
 # ---- facts -------------------------------------------------------------------------------------
+def fresh(path: Path) -> Path:
+    """path, emptied: each stage measures a run from nothing, not a resume of an earlier rehearsal's."""
+    shutil.rmtree(path, ignore_errors=True)
+    return path
+
+
 def plan_json(cmd: Sequence[str]) -> dict[str, Any]:
     done = subprocess.run(list(cmd), capture_output=True, text=True, cwd=infra.REPO_ROOT)
     if done.returncode != 0:

@@ -172,7 +172,6 @@ class EvalJob:
     max_len: int
     seed: int
     categories: Dict[str, CategoryConf]
-    greedy: bool
     sampled: SampledConf
     draft_sample: str
     simulate: SimulateConf
