@@ -4,7 +4,9 @@ composed config must satisfy before any work starts.
     register()                      the stage schemas (config/stages.py) in Hydra's ConfigStore
     compose_config(name, overrides) a stage's config as its entry point would see it (tests, tools)
     check(cfg, choices)             refuse a config that cannot run: keys no schema knows (added
-                                    with `+key=`), a draft written for another verifier
+                                    with `+key=`), a draft written for another verifier, a value
+                                    that breaks a rule of config/validate.py (a choice, a bound,
+                                    an either/or between keys)
     check_entry(cfg, prog)          check() in a running Hydra job; a refusal exits with status 2
     recorded(group, record)         a group's config as an older run recorded it (a store's
                                     dump config, the verifier's training facts), typed again
@@ -81,6 +83,10 @@ def check(cfg: DictConfig, choices: Mapping[str, Any]) -> None:
     problems = [f"unknown key {key!r}: no such setting (a typo? `python -m <stage> --cfg job` "
                 f"lists them)" for key in unknown_keys(cfg)]
     problems += draft_pairing_problems(cfg, choices)
+    if not problems:               # the rules read typed keys: only once every key is known
+        from config.validate import problems as rule_problems
+
+        problems = rule_problems(cfg)
     if problems:
         raise ConfigError("config refused: " + "; ".join(problems))
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from config.validate import DRAFT_SAMPLES
 from data.conversations import Conversation, load_conversations
 from data.template import as_chat, prompt_ids
 from infra import resolve
@@ -192,9 +193,6 @@ def simulate_all(cfg: DictConfig, stores: dict[str, dict[str, Path]], verifier: 
 
 
 # ---- 5. report -----------------------------------------------------------------------------
-DRAFT_SAMPLES = ("auto", "greedy", "probabilistic")
-
-
 def proposal_method(draft_sample: str, draft_dir: Path) -> str:
     """cfg.draft_sample as vLLM takes it: auto is probabilistic for a full-vocabulary draft and
     greedy for a pruned one (vLLM refuses probabilistic proposals with a d2t map)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from config import compose_config
+from config import ConfigError, compose_config
 
 
 @pytest.mark.parametrize("entry", ["build_verifier", "dump", "train"])
@@ -121,3 +121,38 @@ def test_auto_proposal_is_probabilistic_unless_the_vocabulary_is_pruned(tmp_path
     assert proposal_method("greedy", tmp_path) == "greedy"
     with pytest.raises(ValueError, match="draft_sample"):
         proposal_method("typical", tmp_path)
+
+
+@pytest.mark.parametrize(("stage", "overrides", "named"), [
+    ("dump", ["regenerate.turns=every", "split=test", "max_len=0", "regenerate.top_p=0"],
+     ["regenerate.turns='every' (one of all, first)", "split='test'", "max_len=0 (at least 1)", "regenerate.top_p=0"]),
+    ("train", ["train.grad_accum=0", "train.checkpoint_every=-1", "train.warmup_ratio=0.1", "train.loss.acceptance=kl"],
+     ["train.grad_accum=0 (at least 1)", "train.checkpoint_every=-1 (at least 0)",
+      "train.warmup_steps=20 and train.warmup_ratio=0.1: set exactly one", "train.loss.acceptance='kl'"]),
+    ("train", ["train.loss.acceptance=tv", "train.loss.target_topk=8", "train.precision=fp16"],
+     ["needs the verifier's whole distribution", "train.precision='fp16' (one of auto, bf16, fp32)"]),
+    ("plan", ["train.export_dtype=int8"], ["train.export_dtype='int8'"]),
+    ("eval", ["draft_sample=best", "num_speculative_tokens=0"],
+     ["draft_sample='best' (one of auto, greedy, probabilistic)", "num_speculative_tokens=0 (at least 1)"]),
+])
+def test_rules_across_keys_are_refused_at_composition(stage: str, overrides: list[str], named: list[str]) -> None:
+    """config/validate.py's rules run with the composition: every broken one named in one message."""
+    with pytest.raises(ConfigError) as refused:
+        compose_config(stage, overrides)
+    for part in named:
+        assert part in str(refused.value), str(refused.value)
+
+
+def test_an_entry_point_refuses_a_broken_rule_before_any_work(tmp_path) -> None:
+    """`python -m dump regenerate.turns=every`: status 2 and the rule, before data or an engine."""
+    import subprocess
+    import sys
+
+    from infra import REPO_ROOT
+
+    done = subprocess.run([sys.executable, "-m", "dump", "regenerate.turns=every", f"output_dir={tmp_path / 'store'}",
+                           f"hydra.run.dir={tmp_path / 'hydra'}"], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "regenerate.turns='every' (one of all, first)" in done.stderr
+    assert not (tmp_path / "store").exists()

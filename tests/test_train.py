@@ -394,14 +394,3 @@ def test_split_size_warnings(train: int, heldout: int, epoch_rows: int, rows_per
 def test_split_without_training_samples_is_refused(heldout: int, reason: str) -> None:
     with pytest.raises(SplitTooSmallError, match=rf"store /s has no training samples \({reason}"):
         check_split_sizes(SplitSizes(Path("/s"), 0, heldout, 0, 2, 1), 0.05, 2048)
-
-
-def test_batch_settings_below_one_are_refused_before_any_compute(train_store: Path, draft_verifier_dir: Path,
-                                                                 tmp_path: Path, monkeypatch) -> None:
-    def no_compute(*_):
-        raise AssertionError("the model was built for settings the run cannot train with")
-
-    monkeypatch.setattr(loop, "build_objective", no_compute)
-    with pytest.raises(ValueError, match=r"train.grad_accum=0 \(at least 1\); train.checkpoint_every=-1"):
-        _fit(tmp_path / "run", _overrides(train_store, draft_verifier_dir, "train.grad_accum=0",
-                                          "train.checkpoint_every=-1"))

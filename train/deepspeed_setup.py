@@ -12,10 +12,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from config.validate import PRECISIONS
 from infra import cpu_flags as read_cpu_flags
 from train.objective import Eagle3Objective
 
-PRECISIONS = ("auto", "bf16", "fp32")
 BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})   # x86 units that run bf16 matmuls natively
 
 

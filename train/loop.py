@@ -91,19 +91,6 @@ def _pruned_vocab(cfg: DraftConfig, split: StoreSplit, run_dir: Path, verifier: 
     return load_file(str(path))["d2t"]
 
 
-def _check_settings(cfg: DictConfig) -> None:
-    """Refuse, before any compute, settings that would stop the run at its first step or later."""
-    t = cfg.train
-    problems = [f"train.{key}={t[key]} (at least 1)" for key in ("micro_batch", "grad_accum", "max_len")
-                if t[key] < 1]
-    problems += [f"{name}={value} (0: at the end only, else every that many steps)"
-                 for name, value in (("train.log_every", t.log_every), ("train.checkpoint_every", t.checkpoint_every),
-                                     ("eval.every", cfg.eval.every)) if int(value or 0) < 0]
-    problems += [f"train.steps={t.steps} (0 or more)"] if t.steps is not None and t.steps < 0 else []
-    if problems:
-        raise ValueError("cannot train with " + "; ".join(problems))
-
-
 def _due(every: int | None, done: int, total: int | None) -> bool:
     """Whether a periodic action (log, checkpoint) runs after step `done`: every `every` steps and
     at the last one; every 0 or null: at the last one only."""
@@ -123,7 +110,6 @@ def prepare(cfg: DictConfig, run_dir: Path, world_size: int) -> RunSetup:
     split = split.with_train_fraction(t.train_fraction)
     # Before any compute: the store, the draft and the verifier folder, every disagreement at once.
     check_compatible(verifier=verifier, draft=draft_cfg, store=split.reader, aux_capture=cfg.draft.aux_capture)
-    _check_settings(cfg)
     rows_per_step = t.micro_batch * t.grad_accum * world_size
     if t.follow:
         _check_follow(cfg, split, draft_cfg)

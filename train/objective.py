@@ -89,13 +89,13 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from config.validate import ACCEPTANCE_KINDS
 from model.batch import Batch
 from model.chain import draft_chain, read_rows
 from model.draft import Eagle3Draft
 from model.vocab import target_ids_of
 from train.sequence_parallel import RankShare, SequenceParallel
 
-ACCEPTANCE_KINDS = ("tv", "lk")
 # -log alpha's floor: alpha is exactly 0 in fp32 when p and q share no mass (one underflows
 # wherever the other has mass), and -log 0 = inf would stop the run; its gradient, bounded for
 # alpha > 0, would be 0/0. Below the floor the term is the constant 13.8 and the CE alone pulls.

@@ -1,0 +1,93 @@
+"""The rules a composed config must satisfy that its types cannot say: a choice among names, a bound,
+an either/or between two keys. `config.check` runs them beside the unknown-key check, at composition
+and in every entry point before any work, so a setting that would stop a run at its first step, or
+after its engine has started and its verifier head is loaded, is refused at once, every key at
+fault named in one message.
+
+The choices are defined here once; the code that acts on a choice imports its tuple from here.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from omegaconf import DictConfig
+
+TURNS = ("all", "first")                        # regenerate.turns
+SPLITS = ("train", "heldout", "all")            # the dump's split (conf/data's held-out rule)
+OVER_LONG = ("truncate", "drop")                # over_long: a sample past max_len
+PRECISIONS = ("auto", "bf16", "fp32")           # train.precision
+EXPORT_DTYPES = ("bfloat16", "float16", "float32")   # train.export_dtype (torch dtype names)
+ACCEPTANCE_KINDS = ("tv", "lk")                 # train.loss.acceptance (or null)
+DRAFT_SAMPLES = ("auto", "greedy", "probabilistic")  # the evaluation's draft_sample
+
+
+def problems(cfg: DictConfig) -> list[str]:
+    """Every rule a stage's config breaks (dump, train and plan, eval: by the keys it holds)."""
+    found: list[str] = []
+    if "regenerate" in cfg:
+        found += dump_problems(cfg)
+    if "train" in cfg:
+        found += train_problems(cfg)
+    if "draft_sample" in cfg:
+        found += eval_problems(cfg)
+    return found
+
+
+def dump_problems(cfg: DictConfig) -> list[str]:
+    r = cfg.regenerate
+    found = _choices(cfg, {"split": SPLITS, "over_long": OVER_LONG}) + _choices(r, {"turns": TURNS}, "regenerate.")
+    found += _at_least(cfg, {"max_len": 1, "batch_size": 1}) + _at_least(cfg.capture, {"max_batch_tokens": 1}, "capture.")
+    if r.enabled:
+        found += _at_least(r, {"max_tokens": 1}, "regenerate.")
+        if not (math.isfinite(r.temperature) and r.temperature >= 0):
+            found.append(f"regenerate.temperature={r.temperature} (0 for greedy, else > 0)")
+        if not 0 < r.top_p <= 1:
+            found.append(f"regenerate.top_p={r.top_p} (in (0, 1])")
+    return found
+
+
+def train_problems(cfg: DictConfig) -> list[str]:
+    t, loss = cfg.train, cfg.train.loss
+    found = _choices(t, {"precision": PRECISIONS, "export_dtype": EXPORT_DTYPES}, "train.")
+    found += _at_least(t, {"micro_batch": 1, "grad_accum": 1, "max_len": 1, "follow_window": 1,
+                           "pad_multiple": 1, "sequence_parallel": 1}, "train.")
+    found += _at_least(t, {"log_every": 0, "checkpoint_every": 0, "num_workers": 0}, "train.")
+    found += _at_least(cfg.eval, {"every": 0}, "eval.")
+    found += _at_least(t.ttt, {"steps": 1}, "train.ttt.")
+    if t.steps is not None and t.steps < 0:
+        found.append(f"train.steps={t.steps} (0 or more; null: train.epochs passes)")
+    if (t.warmup_steps is None) == (t.warmup_ratio is None):
+        found.append(f"train.warmup_steps={t.warmup_steps} and train.warmup_ratio={t.warmup_ratio}: "
+                     "set exactly one, the other null")
+    elif t.warmup_ratio is not None and not 0.0 <= t.warmup_ratio <= 1.0:
+        found.append(f"train.warmup_ratio={t.warmup_ratio} (a fraction in [0, 1])")
+    elif t.warmup_steps is not None and t.warmup_steps < 0:
+        found.append(f"train.warmup_steps={t.warmup_steps} (0 or more)")
+    if not 0.0 < t.train_fraction <= 1.0:
+        found.append(f"train.train_fraction={t.train_fraction} (in (0, 1])")
+    if loss.acceptance is not None and loss.acceptance not in ACCEPTANCE_KINDS:
+        found.append(f"train.loss.acceptance={loss.acceptance!r} (one of {', '.join(ACCEPTANCE_KINDS)}, or null)")
+    if not (math.isfinite(loss.acceptance_weight) and loss.acceptance_weight >= 0):
+        found.append(f"train.loss.acceptance_weight={loss.acceptance_weight} (a finite weight >= 0)")
+    if loss.acceptance is not None and loss.target_topk:
+        found.append(f"train.loss.acceptance={loss.acceptance!r} with train.loss.target_topk={loss.target_topk}: "
+                     "the acceptance sum_v min(p, q) needs the verifier's whole distribution, which top-k "
+                     "targets do not keep")
+    return found
+
+
+def eval_problems(cfg: DictConfig) -> list[str]:
+    found = _choices(cfg, {"draft_sample": DRAFT_SAMPLES})
+    found += _at_least(cfg, {"num_speculative_tokens": 1, "num_prompts": 1, "max_tokens": 1, "max_len": 1})
+    return found
+
+
+def _choices(node: DictConfig, allowed: dict[str, tuple[str, ...]], prefix: str = "") -> list[str]:
+    return [f"{prefix}{key}={node[key]!r} (one of {', '.join(names)})" for key, names in allowed.items()
+            if node[key] not in names]
+
+
+def _at_least(node: DictConfig, floors: dict[str, Any], prefix: str = "") -> list[str]:
+    return [f"{prefix}{key}={node[key]} (at least {floor})" for key, floor in floors.items()
+            if node[key] is not None and node[key] < floor]
