@@ -17,7 +17,7 @@ baseline over the whole store, a follow run with each shard held for that many w
 dump and trainer alike). The disk is sampled every 50 ms (store/progress.py shards_bytes). Both
 processes share this machine's cores in the follow runs, where the baseline runs them one after
 the other: on a 2-core machine the overlap buys little, unlike a cluster where dump and training
-run on different nodes (README, "On GPU clusters").
+run on different nodes (docs/cluster.md, 3b).
 """
 from __future__ import annotations
 
