@@ -7,7 +7,7 @@ of the project).
 - SGLang / SpecForge / TorchSpec: id k = the output of layer k, 0..N-1; defaults
   [1, N//2-1, N-4]. Same layer: vllm = sglang + 1 (Kimi-K2 [2, 30, 58] == [1, 29, 57]; Kimi-K3
   [2, 46, 90] == [1, 45, 89]).
-What each serving engine reads from an exported folder is model/checkpoint.py's business.
+What each serving engine reads from an exported folder is model/checkpoint/'s business.
 """
 from __future__ import annotations
 

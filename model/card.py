@@ -12,7 +12,8 @@ from typing import Any
 
 from model.checkpoint import (AUX_KEY, CONFIG_FILE, DEEPSEEK_V3, EAGLE_CONFIG, EMBED, ENGINE_VERSIONS, TARGET_KEY,
                               engine_captures, engine_load_problems, read_folder_config, stored_names,
-                              tokenspeed_flag_ids, vllm_to_sglang_aux_ids)
+                              tokenspeed_flag_ids)
+from model.aux_ids import vllm_to_sglang_aux_ids
 
 CARD = "README.md"        # in the draft folder; a training run's summary: train/run_folder.py
 
@@ -58,7 +59,7 @@ def _norm_switches(config: dict[str, Any]) -> list[str]:
 def _aux_lines(config: dict[str, Any], aux: list[int], captures: dict[str, tuple[int, ...] | None],
                loads: dict[str, list[str]]) -> list[str]:
     """Which key each engine reads, the layers it then captures, and what its loader lacks
-    (model/checkpoint.py's rules)."""
+    (model/checkpoint/engine_rules.py)."""
     target = config.get(TARGET_KEY) or DEEPSEEK_V3
     sglang = (f"; SGLang numbers the same layers by their output: "
               f"{vllm_to_sglang_aux_ids(aux, int(config.get('target_num_hidden_layers') or max(aux)))}"

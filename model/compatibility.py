@@ -59,7 +59,7 @@ _IDENTITY_KEYS = ("config_sha256", "tokenizer_sha256", "num_hidden_layers")
 
 @dataclass(frozen=True)
 class DraftFolder:
-    """An exported draft folder as the check reads it (model/checkpoint.py read_draft_folder)."""
+    """An exported draft folder as the check reads it (model/checkpoint/init_from.py read_draft_folder)."""
 
     path: Path
     config: DraftConfig

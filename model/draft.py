@@ -13,7 +13,7 @@ fc_norm, norm_before_residual and norm_output are the optional switches vLLM's
 Eagle3DeepseekV2ForCausalLM reads from config.json (all off: the plain EAGLE-3 layer above).
 
 Module and parameter names are those of vLLM's Eagle3DeepseekV2ForCausalLM checkpoint
-(fc, fc_norm.*, midlayer.*, norm, lm_head, d2t), so export is a rename at most (model/checkpoint.py).
+(fc, fc_norm.*, midlayer.*, norm, lm_head, d2t), so export is a rename at most (model/checkpoint/).
 The embedding is a frozen copy of the verifier's and never exported (vLLM shares the target's);
 final norm and lm_head start as copies of the verifier's and stay frozen unless `train_head`.
 """
@@ -57,7 +57,7 @@ class DraftConfig(DraftLayerShape):
     target_hidden_size: int
     target_num_hidden_layers: int
     # The verifier's model_type (deepseek_v3 | kimi_k3): decides which aux ids the exported
-    # eagle_config carries for SGLang and TokenSpeed (model/checkpoint.py).
+    # eagle_config carries for SGLang and TokenSpeed (model/checkpoint/).
     target_model_type: str
     aux_layer_ids: tuple[int, ...]          # vLLM convention (id k = hidden state entering layer k)
     bos_token_id: int | list[int] | None = None
@@ -150,7 +150,7 @@ def architecture_flags(d: dict[str, Any]) -> dict[str, bool]:
     """The ARCHITECTURE_FLAGS of a config dict as DraftConfig keyword arguments; absent or null =
     False (what vLLM assumes, so configs and folders written before the switches keep their
     meaning; a conf's null means "the train.init_from folder's", which
-    model/checkpoint.py draft_config_for_run fills in)."""
+    model/checkpoint/init_from.py draft_config_for_run fills in)."""
     return {k: bool(d.get(k, False)) for k in ARCHITECTURE_FLAGS}
 
 

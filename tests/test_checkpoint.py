@@ -1,4 +1,4 @@
-"""Tests of model/checkpoint.py: the vLLM draft folder contract and aux-id conventions."""
+"""Tests of model/checkpoint/: the vLLM draft folder contract and aux-id conventions."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,13 +21,11 @@ from model.checkpoint import (
     load_draft,
     misreading_engines,
     sglang_capture,
-    sglang_to_vllm_aux_ids,
-    to_vllm_aux_ids,
     tokenspeed_capture,
     tokenspeed_flag_ids,
     vllm_capture,
-    vllm_to_sglang_aux_ids,
 )
+from model.aux_ids import sglang_to_vllm_aux_ids, to_vllm_aux_ids, vllm_to_sglang_aux_ids
 from tests.conftest import plain_layer
 from model.draft import DraftConfig, Eagle3Draft, build_draft, compose_draft_conf
 from model.vocab import build_draft_vocab
@@ -195,7 +193,7 @@ def test_every_engine_captures_the_trained_layers_of_an_export(tiny_cfg: DraftCo
 
 
 def test_engine_rules_state_each_engines_reading() -> None:
-    """The rules on the folders that tell them apart (model/checkpoint.py cites the sources)."""
+    """The rules on the folders that tell them apart (model/checkpoint/ cites the sources)."""
     key = "eagle_aux_hidden_state_layer_ids"
     both_vllm = {key: [2, 4, 5], "eagle_config": {key: [2, 4, 5]}}
     sglang_only = {"eagle_config": {key: [1, 3, 4]}}

@@ -1,5 +1,5 @@
 """The draft's optional architecture switches fc_norm, norm_before_residual and norm_output
-(model/draft.py, model/checkpoint.py), as vLLM's Eagle3DeepseekV2ForCausalLM reads them from
+(model/draft.py, model/checkpoint/), as vLLM's Eagle3DeepseekV2ForCausalLM reads them from
 config.json: what each computes, the export round trip, init_from, and parity with vLLM."""
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def _chain(draft: Eagle3Draft, batch: Batch) -> list[StepOutput]:
 # ---- configuration ------------------------------------------------------------------------------
 def test_the_draft_yamls_carry_the_switches_and_overrides_reach_the_draft() -> None:
     """kimi-tiny chooses its switches; the Kimi drafts leave them null (the train.init_from folder's,
-    else off: model/checkpoint.py draft_config_for_run, tests/test_published_drafts.py)."""
+    else off: model/checkpoint/init_from.py draft_config_for_run, tests/test_published_drafts.py)."""
     for name, kind in (("kimi_tiny", bool), ("kimi_k2", type(None)), ("kimi_k3", type(None))):
         draft = compose_config("train", [f"verifier={name}", f"draft={name}", "verifier.path=/x"]).draft
         assert {flag: type(draft[flag]) for flag in ARCHITECTURE_FLAGS} == dict.fromkeys(ARCHITECTURE_FLAGS, kind)

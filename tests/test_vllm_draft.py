@@ -238,7 +238,7 @@ class TestFullVocabulary:
         compare_first_round(llm, record, ours, COMPARE_PROMPTS[0])
 
     def test_the_verifier_captures_the_layers_the_draft_was_trained_on(self, full_engine) -> None:
-        """vLLM's own target model, after it read our config.json; model/checkpoint.py's vLLM rule agrees."""
+        """vLLM's own target model, after it read our config.json; model/checkpoint/engine_rules.py's vLLM rule agrees."""
         llm, _, ours = full_engine
 
         def aux_layers(worker) -> tuple[int, ...]:
