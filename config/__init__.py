@@ -3,6 +3,7 @@ composed config must satisfy before any work starts.
 
     register()                      the stage schemas (config/stages.py) in Hydra's ConfigStore
     compose_config(name, overrides) a stage's config as its entry point would see it (tests, tools)
+    compose_draft_conf(draft)       cfg.draft of `python -m train draft=<draft>`, with its verifier
     check(cfg, choices)             refuse a config that cannot run: keys no schema knows (added
                                     with `+key=`), a draft written for another verifier, a value
                                     that breaks a rule of config/validate.py (a choice, a bound,
@@ -62,6 +63,18 @@ def compose_config(name: str, overrides: list[str] | None = None, checked: bool 
     if checked:
         check(cfg, choices)
     return cfg
+
+
+def compose_draft_conf(draft: str, verifier: str | None = None) -> DictConfig:
+    """cfg.draft of `python -m train draft=<draft> verifier=<verifier>`, composed by Hydra.
+
+    The draft yaml points at `${verifier.*}` for what must match the verifier; `verifier` (a
+    conf/verifier name) defaults to the one the draft yaml names in its own `verifier` key.
+    """
+    if verifier is None:
+        verifier = compose_config("train", [f"draft={draft}"], checked=False).draft.verifier
+    # A verifier named here is meant: the pairing check (config.check) is told so.
+    return compose_config("train", [f"draft={draft}", f"verifier={verifier}", f"draft.verifier={verifier}"]).draft
 
 
 def check_entry(cfg: DictConfig, prog: str) -> None:

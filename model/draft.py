@@ -28,7 +28,6 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
-from config import compose_config
 from config.groups import DraftLayerShape
 from model.aux_ids import to_vllm_aux_ids
 from model.mla import MLAConfig, MLAttention, RMSNorm, TTTCache
@@ -98,7 +97,7 @@ class DraftConfig(DraftLayerShape):
 
     @classmethod
     def from_conf(cls, draft: DictConfig | dict[str, Any], verifier: Verifier | Path | None = None) -> DraftConfig:
-        """From a resolved conf/draft node (see `compose_draft_conf`, or Hydra's cfg.draft).
+        """From a resolved conf/draft node (see `config.compose_draft_conf`, or Hydra's cfg.draft).
 
         verifier: the verifier (or its folder), whose config.json gives bos/eos ids for the export.
         """
@@ -152,18 +151,6 @@ def architecture_flags(d: dict[str, Any]) -> dict[str, bool]:
     meaning; a conf's null means "the train.init_from folder's", which
     model/checkpoint/init_from.py draft_config_for_run fills in)."""
     return {k: bool(d.get(k, False)) for k in ARCHITECTURE_FLAGS}
-
-
-def compose_draft_conf(draft: str, verifier: str | None = None) -> DictConfig:
-    """cfg.draft of `python -m train draft=<draft> verifier=<verifier>`, composed by Hydra.
-
-    The draft yaml points at `${verifier.*}` for what must match the verifier; `verifier` (a
-    conf/verifier name) defaults to the one the draft yaml names in its own `verifier` key.
-    """
-    if verifier is None:
-        verifier = compose_config("train", [f"draft={draft}"], checked=False).draft.verifier
-    # A verifier named here is meant: the pairing check (config.check) is told so.
-    return compose_config("train", [f"draft={draft}", f"verifier={verifier}", f"draft.verifier={verifier}"]).draft
 
 
 class DraftMLP(nn.Module):

@@ -9,7 +9,8 @@ import torch
 from evaluation.accept import (AcceptCounts, acceptance_probability, decode_walk, expected_counts, leading_run,
                                sampling_probs)
 from evaluation.simulate import Sampling, answer_spans, simulate_sample
-from model.draft import DraftConfig, build_draft, compose_draft_conf
+from config import compose_draft_conf
+from model.draft import DraftConfig, build_draft
 from store import Sample
 
 K = 3

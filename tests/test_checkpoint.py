@@ -27,7 +27,8 @@ from model.checkpoint import (
 )
 from model.aux_ids import sglang_to_vllm_aux_ids, to_vllm_aux_ids, vllm_to_sglang_aux_ids
 from tests.conftest import plain_layer
-from model.draft import DraftConfig, Eagle3Draft, build_draft, compose_draft_conf
+from config import compose_draft_conf
+from model.draft import DraftConfig, Eagle3Draft, build_draft
 from model.vocab import build_draft_vocab
 
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from config import compose_config
+from config import compose_config, compose_draft_conf
 from model.checkpoint import export_draft, read_draft_folder
 from model.compatibility import (DRAFT, FOLDER, INIT_FROM, STORE, IncompatibleError, StoreIncompatibleError,
                                  check_compatible)
-from model.draft import DraftConfig, build_draft, compose_draft_conf
+from model.draft import DraftConfig, build_draft
 from model.verifier_handle import Verifier
 from store import StoreMismatchError, StoreReader, StoreWriter, verifier_identity
 

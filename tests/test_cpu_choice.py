@@ -114,7 +114,8 @@ def test_vllm_takes_the_backend_for_verifier_and_draft(kimi_tiny_dir: Path, tmp_
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
     from model.checkpoint import export_draft
-    from model.draft import DraftConfig, build_draft, compose_draft_conf
+    from config import compose_draft_conf
+    from model.draft import DraftConfig, build_draft
 
     engine = compose_config("dump").engine
     kwargs = engine_kwargs(engine)

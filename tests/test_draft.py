@@ -11,9 +11,9 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
 import model.verifier_weights as vw
-from config import compose_config
+from config import compose_config, compose_draft_conf
 from model.checkpoint import export_size_bytes
-from model.draft import DraftConfig, Eagle3Draft, build_draft, compose_draft_conf, exported_parameter_count
+from model.draft import DraftConfig, Eagle3Draft, build_draft, exported_parameter_count
 from model.vocab import build_draft_vocab, count_tokens, draft_to_target, t2d_from_d2t, target_to_draft
 
 

@@ -26,7 +26,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from infra import REPO_ROOT
 from tests.conftest import plain_layer
 from model.batch import Batch, RowSample, collate_rows, pack_row
-from model.draft import DraftConfig, compose_draft_conf
+from config import compose_config, compose_draft_conf
+from model.draft import DraftConfig
 from train.objective import Eagle3Objective, ObjectiveConfig, soft_cross_entropy
 from train.plan import measure_step, meta_batch, meta_objective
 

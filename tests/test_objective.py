@@ -12,7 +12,8 @@ import train.objective as objective_module
 from tests.conftest import assert_same_objective_runs
 from model.batch import PAD_SEGMENT, Batch, RowSample, collate_rows, pack_row
 from model.chain import step_inputs
-from model.draft import DraftConfig, build_draft, compose_draft_conf
+from config import compose_draft_conf
+from model.draft import DraftConfig, build_draft
 from model.verifier_weights import read_verifier_head
 from store import StoreReader
 from train.objective import (Eagle3Objective, ObjectiveConfig, build_target_cache, simulated_accept_length,

@@ -15,10 +15,10 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from config import compose_config
+from config import compose_config, compose_draft_conf
 from tests.conftest import plain_layer
 from model.batch import Batch
-from model.draft import DraftConfig, compose_draft_conf
+from model.draft import DraftConfig
 from train.objective import Eagle3Objective, ObjectiveConfig
 from train.plan import (PlanRefused, PlanSpec, StepMemory, main, measure_step, memory_plan, meta_batch,
                         meta_objective, spec_from_cfg)

@@ -12,13 +12,13 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from config import compose_config
+from config import compose_config, compose_draft_conf
 from model.aux_ids import sglang_to_vllm_aux_ids
 from model.card import write_card
 from model.checkpoint import (DEEPSEEK_V3, EMBED, KIMI_K3, draft_config_for_run, engine_load_problems,
                               export_draft, init_from_draft, load_draft, read_folder_config, sglang_capture,
                               our_name, stored_names, vllm_capture)
-from model.draft import ARCHITECTURE_FLAGS, DraftConfig, build_draft, compose_draft_conf
+from model.draft import ARCHITECTURE_FLAGS, DraftConfig, build_draft
 from model.mla import RMSNorm
 from model.verifier_weights import read_verifier_embedding
 from tests.conftest import plain_layer

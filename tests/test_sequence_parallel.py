@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from config import compose_config
+from config import compose_config, compose_draft_conf
 from infra import FAILPOINTS_ENV, REPO_ROOT
 from model.batch import PAD_SEGMENT, Batch, RowSample, collate_rows, pack_row
-from model.draft import DraftConfig, build_draft, compose_draft_conf
+from model.draft import DraftConfig, build_draft
 from model.verifier_weights import read_verifier_head
 from train.metrics import read_jsonl
 from train.objective import Eagle3Objective, ObjectiveConfig

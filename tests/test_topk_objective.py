@@ -14,7 +14,8 @@ import train.objective as objective_module
 from tests.conftest import assert_same_objective_runs
 from model.batch import Batch, collate_rows, pack_row
 from model.chain import step_inputs
-from model.draft import DraftConfig, build_draft, compose_draft_conf
+from config import compose_draft_conf
+from model.draft import DraftConfig, build_draft
 from model.vocab import target_ids_of
 from train.batches import row_sample
 from train.objective import (ChunkedTopKCE, Eagle3Objective, ObjectiveConfig, draft_ids_of, soft_cross_entropy,

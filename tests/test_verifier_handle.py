@@ -16,8 +16,8 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
 import train.loop as loop
-from config import compose_config
-from model.draft import DraftConfig, compose_draft_conf
+from config import compose_config, compose_draft_conf
+from model.draft import DraftConfig
 from model.verifier_handle import Verifier, VerifierFiles
 from model import verifier_weights
 from model.verifier_weights import read_verifier_head

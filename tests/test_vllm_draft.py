@@ -27,7 +27,8 @@ from omegaconf import DictConfig
 from evaluation.speculative import speculative_engine
 from model.checkpoint import draft_config_json, engine_captures, export_draft, load_draft
 from tests.conftest import in_process_vllm, plain_layer
-from model.draft import DraftConfig, Eagle3Draft, build_draft, compose_draft_conf
+from config import compose_draft_conf
+from model.draft import DraftConfig, Eagle3Draft, build_draft
 from model.vocab import build_draft_vocab, count_tokens
 
 pytestmark = pytest.mark.vllm
