@@ -57,23 +57,36 @@ def train_problems(cfg: DictConfig) -> list[str]:
     found += _at_least(t.ttt, {"steps": 1}, "train.ttt.")
     if t.steps is not None and t.steps < 0:
         found.append(f"train.steps={t.steps} (0 or more; null: train.epochs passes)")
-    if (t.warmup_steps is None) == (t.warmup_ratio is None):
-        found.append(f"train.warmup_steps={t.warmup_steps} and train.warmup_ratio={t.warmup_ratio}: "
-                     "set exactly one, the other null")
-    elif t.warmup_ratio is not None and not 0.0 <= t.warmup_ratio <= 1.0:
-        found.append(f"train.warmup_ratio={t.warmup_ratio} (a fraction in [0, 1])")
-    elif t.warmup_steps is not None and t.warmup_steps < 0:
-        found.append(f"train.warmup_steps={t.warmup_steps} (0 or more)")
+    found += warmup_problems(t.warmup_steps, t.warmup_ratio)
     if not 0.0 < t.train_fraction <= 1.0:
         found.append(f"train.train_fraction={t.train_fraction} (in (0, 1])")
-    if loss.acceptance is not None and loss.acceptance not in ACCEPTANCE_KINDS:
-        found.append(f"train.loss.acceptance={loss.acceptance!r} (one of {', '.join(ACCEPTANCE_KINDS)}, or null)")
-    if not (math.isfinite(loss.acceptance_weight) and loss.acceptance_weight >= 0):
-        found.append(f"train.loss.acceptance_weight={loss.acceptance_weight} (a finite weight >= 0)")
-    if loss.acceptance is not None and loss.target_topk:
-        found.append(f"train.loss.acceptance={loss.acceptance!r} with train.loss.target_topk={loss.target_topk}: "
-                     "the acceptance sum_v min(p, q) needs the verifier's whole distribution, which top-k "
-                     "targets do not keep")
+    found += acceptance_problems(loss.acceptance, loss.acceptance_weight, loss.target_topk, "train.loss.")
+    return found
+
+
+def warmup_problems(steps: int | None, ratio: float | None) -> list[str]:
+    """train.warmup_steps or train.warmup_ratio, exactly one (also train/deepspeed_setup.py's
+    warmup_steps_of, for a config built by hand)."""
+    if (steps is None) == (ratio is None):
+        return [f"train.warmup_steps={steps} and train.warmup_ratio={ratio}: set exactly one, the other null"]
+    if ratio is not None and not 0.0 <= ratio <= 1.0:
+        return [f"train.warmup_ratio={ratio} (a fraction in [0, 1])"]
+    if steps is not None and steps < 0:
+        return [f"train.warmup_steps={steps} (0 or more)"]
+    return []
+
+
+def acceptance_problems(kind: str | None, weight: float, target_topk: int | None, prefix: str = "") -> list[str]:
+    """The acceptance term's settings (also train/objective.py's ObjectiveConfig, built by hand in
+    tests and tools): a known kind, a finite weight >= 0, and the whole distribution to act on."""
+    found = []
+    if kind is not None and kind not in ACCEPTANCE_KINDS:
+        found.append(f"{prefix}acceptance={kind!r} (one of {', '.join(ACCEPTANCE_KINDS)}, or null)")
+    if not (math.isfinite(weight) and weight >= 0):
+        found.append(f"{prefix}acceptance_weight={weight} (a finite weight >= 0)")
+    if kind is not None and target_topk:
+        found.append(f"{prefix}acceptance={kind!r} with {prefix}target_topk={target_topk}: the acceptance "
+                     "sum_v min(p, q) needs the verifier's whole distribution, which top-k targets do not keep")
     return found
 
 

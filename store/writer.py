@@ -257,11 +257,13 @@ class StoreWriter:
         that alone is larger). A caller calls it where its work allows a shard to end; `add` also
         commits before a sample that would overflow the buffer, and a resumed dump redoes only the
         calls with a sample not yet committed (dump/pipeline.py)."""
-        full = [b for b in self._buffers.values() if b.nbytes >= self.storage.shard_bytes]
-        for buffer in full:
-            if buffer.samples:          # a training shard's commit may have taken the held-out one
+        committed = False
+        for buffer in self._buffers.values():
+            # Read at its turn: a training shard's commit takes the held-out buffer with it.
+            if buffer.samples and buffer.nbytes >= self.storage.shard_bytes:
                 self._commit_buffer(buffer)
-        return bool(full)
+                committed = True
+        return committed
 
     def _commit_buffer(self, buffer: ShardBuffer) -> None:
         """Commit one buffer; with a training shard, the held-out samples buffered so far (a small

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from config.validate import PRECISIONS
+from config.validate import PRECISIONS, warmup_problems
 from infra import cpu_flags as read_cpu_flags
 from train.objective import Eagle3Objective
 
@@ -73,13 +73,11 @@ def warmup_steps_of(train: DictConfig, total_steps: int | None) -> int:
     """Warmup length in optimizer steps: train.warmup_steps, or train.warmup_ratio of the run's
     total_steps rounded up (recipes give one of the two, the other null)."""
     steps, ratio = train.warmup_steps, train.warmup_ratio
-    if (steps is None) == (ratio is None):
-        raise ValueError(f"set exactly one of train.warmup_steps ({steps}) and train.warmup_ratio "
-                         f"({ratio}); the other null")
+    problems = warmup_problems(steps, ratio)
+    if problems:
+        raise ValueError("; ".join(problems))
     if steps is not None:
         return steps
-    if not 0.0 <= ratio <= 1.0:
-        raise ValueError(f"train.warmup_ratio {ratio} is not a fraction in [0, 1]")
     if total_steps is None:
         raise ValueError(f"train.warmup_ratio {ratio} needs the run's length, which a run following a dump "
                          "(train.follow) does not know: set train.warmup_steps (and train.warmup_ratio=null), "

@@ -82,14 +82,13 @@ TTT cache), and the backward holds one step's activations at a time.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-from config.validate import ACCEPTANCE_KINDS
+from config.validate import ACCEPTANCE_KINDS, acceptance_problems
 from model.batch import Batch
 from model.chain import draft_chain, read_rows
 from model.draft import Eagle3Draft
@@ -124,13 +123,9 @@ class ObjectiveConfig:
     def __post_init__(self) -> None:
         if self.acceptance is None:
             return
-        check_acceptance(self.acceptance)
-        if not (math.isfinite(self.acceptance_weight) and self.acceptance_weight >= 0):
-            raise ValueError(f"acceptance_weight={self.acceptance_weight}: a finite weight >= 0")
-        if self.target_topk:
-            raise ValueError(f"acceptance={self.acceptance!r} with target_topk={self.target_topk}: the "
-                             "acceptance sum_v min(p, q) needs the verifier's whole distribution, "
-                             "which top-k targets do not keep")
+        problems = acceptance_problems(self.acceptance, self.acceptance_weight, self.target_topk)
+        if problems:
+            raise ValueError("; ".join(problems))
 
     def weights(self, steps: int | None = None) -> list[float]:
         return [self.decay ** k for k in range(steps or self.steps)]
