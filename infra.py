@@ -102,17 +102,25 @@ def failpoint(name: str) -> None:
         raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (failpoint {name})")
 
 
+def process_status_bytes(pid: int | str = "self") -> dict[str, int]:
+    """The memory fields of /proc/<pid>/status (VmRSS, VmHWM, RssFile, ...; given in kB), in
+    bytes; OSError where there is no such process or no /proc (not Linux)."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        parts = value.split()
+        if len(parts) == 2 and parts[1] == "kB":
+            fields[key] = int(parts[0]) * 1024
+    return fields
+
+
 def process_memory_bytes(field: str = "VmRSS") -> int | None:
-    """This process's memory from /proc/self/status: VmRSS (resident now) or VmHWM (peak
-    resident since start or the last reset); None where /proc is missing (not Linux)."""
+    """This process's memory: VmRSS (resident now) or VmHWM (peak resident since start or the last
+    reset); None where /proc is missing (not Linux)."""
     try:
-        lines = Path("/proc/self/status").read_text().splitlines()
+        return process_status_bytes().get(field)
     except OSError:
         return None
-    for line in lines:
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    return None
 
 
 def parse_cpu_flags(cpuinfo: str) -> frozenset[str]:

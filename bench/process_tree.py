@@ -12,16 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from infra import process_status_bytes
+
 GIB = 1024**3
-
-
-def _status(pid: int) -> dict[str, int]:
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmHWM", "VmRSS", "RssFile", "RssAnon"):
-            fields[key] = int(value.split()[0]) * 1024
-    return fields
 
 
 def _role(pid: int) -> str:
@@ -65,7 +58,7 @@ def watch(cmd: Sequence[str], env: dict[str, str] | None = None, log: Path | Non
                 tree = []
             for pid in tree:
                 try:
-                    status = _status(pid)
+                    status = process_status_bytes(pid)
                     entry = peaks.setdefault(pid, {"role": _role(pid)})
                     entry["peak_rss"] = max(entry.get("peak_rss", 0), status.get("VmHWM", 0))
                     entry["peak_file"] = max(entry.get("peak_file", 0), status.get("RssFile", 0))
