@@ -149,6 +149,13 @@ bench-storage: setup
 bench-recipe: setup
 	$(PY) -m bench.recipe $(ARGS)
 
+# The levers at the peer setting, each rung with two seeds, its difference from the rung it builds on
+# and that difference's standard error clustered by conversation: bench/results/levers2.json and .md.
+# ARGS="--rungs base lk" reruns some; "--jobs 2" trains two at once (no speed figures).
+.PHONY: bench-levers
+bench-levers: setup
+	$(PY) -m bench.levers2 $(ARGS)
+
 # Held-out chain accept length against training tokens and data size (shares of the training
 # split): bench/results/quality.json and quality.png.
 .PHONY: bench-quality

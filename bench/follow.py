@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     ROOT.mkdir(parents=True)
     # Rounds of 96 conversations, capture calls of 16,384 tokens and 4 MiB shards: a few shards per
     # call, so that the trainer can start after the first round and a bound holds several windows.
-    dump = [f"data.max_samples={args.samples}", "batch_size=96", "capture.max_batch_tokens=16384",
+    dump = [f"data.max_samples={args.samples}", "heldout_set.conversations=0", "batch_size=96", "capture.max_batch_tokens=16384",
             "store.shard_bytes=4194304"]
     train = [*TRAIN, f"train.epochs={args.epochs}"]
     report: dict[str, Any] = {"command": " ".join(["python -m bench.follow", *(argv or sys.argv[1:])]),

@@ -210,11 +210,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, run_dir in runs.items():
         rows[name] = figures(name, run_dir, timed=not (run_dir / SHARED).exists())
     report["variants"] = {v.name: rows[v.name] for v in VARIANTS if v.name in rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(table(report))
-    print(table(report))
+    write_report(args.out, report, table(report))
     return report
+
+
+def write_report(out: Path, report: dict[str, Any], text: str) -> None:
+    """<out> (JSON) and its table beside it (<out>.md), printed too."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    out.with_suffix(".md").write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":

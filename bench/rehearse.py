@@ -75,7 +75,7 @@ class Rehearsal:
         # The KV cache of 20 rows of 1,024 tokens is ~0.2 GiB at 8 KiB a token: 1 GiB leaves the
         # machine room beside vLLM's worker, which holds the verifier's weights and their repacked
         # copies (13 GiB for the 9 GiB checkpoint).
-        return [*self.verifier, f"data.max_samples={a.samples}", f"max_len={a.max_len}",
+        return [*self.verifier, f"data.max_samples={a.samples}", "heldout_set.conversations=0", f"max_len={a.max_len}",
                 f"capture.max_batch_tokens={a.call_tokens}", f"output_dir={self.store}", "engine.kv_cache_space_gib=1"]
 
     def train_overrides(self, run: str, stage: str, steps: int, extra: Sequence[str] = ()) -> list[str]:

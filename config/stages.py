@@ -30,6 +30,12 @@ class RegenerateConf:
 
 
 @dataclass
+class HeldoutSetConf:
+    conversations: int
+    max_tokens: int
+
+
+@dataclass
 class DumpJob:
     verifier: VerifierConf
     data: DataConf
@@ -45,6 +51,7 @@ class DumpJob:
     world_size: Optional[int]
     regenerate: RegenerateConf
     heldout_split: SplitConf
+    heldout_set: HeldoutSetConf
 
 
 # ---- conf/train.yaml (the recipe group, conf/recipe/<verifier>.yaml, fills part of `train`) ----
@@ -89,6 +96,7 @@ class TrainConf:
     torch_adam: bool
     ttt: TTTConf
     loss: LossConf
+    aux_noise: float
     threads: Optional[int]
     sequence_parallel: int
     follow: bool
@@ -102,6 +110,7 @@ class TrainConf:
     keep_checkpoints: int
     resume: Optional[str]
     init_from: Optional[str]
+    init_from_verifier: Optional[int]
     export: bool
     export_dtype: str
 

@@ -18,7 +18,7 @@ SPLITS = ("train", "heldout", "all")            # the dump's split (conf/data's 
 OVER_LONG = ("truncate", "drop")                # over_long: a sample past max_len
 PRECISIONS = ("auto", "bf16", "fp32")           # train.precision
 EXPORT_DTYPES = ("bfloat16", "float16", "float32")   # train.export_dtype (torch dtype names)
-ACCEPTANCE_KINDS = ("tv", "lk")                 # train.loss.acceptance (or null)
+ACCEPTANCE_KINDS = ("tv", "lk", "hybrid")                 # train.loss.acceptance (or null)
 DRAFT_SAMPLES = ("auto", "greedy", "probabilistic")  # the evaluation's draft_sample
 
 
@@ -38,6 +38,7 @@ def dump_problems(cfg: DictConfig) -> list[str]:
     r = cfg.regenerate
     found = _choices(cfg, {"split": SPLITS, "over_long": OVER_LONG}) + _choices(r, {"turns": TURNS}, "regenerate.")
     found += _at_least(cfg, {"max_len": 1, "batch_size": 1}) + _at_least(cfg.capture, {"max_batch_tokens": 1}, "capture.")
+    found += _at_least(cfg.heldout_set, {"conversations": 0, "max_tokens": 1}, "heldout_set.")
     if r.enabled:
         found += _at_least(r, {"max_tokens": 1}, "regenerate.")
         if not (math.isfinite(r.temperature) and r.temperature >= 0):
@@ -55,6 +56,10 @@ def train_problems(cfg: DictConfig) -> list[str]:
     found += _at_least(t, {"log_every": 0, "checkpoint_every": 0, "num_workers": 0}, "train.")
     found += _at_least(cfg.eval, {"every": 0}, "eval.")
     found += _at_least(t.ttt, {"steps": 1}, "train.ttt.")
+    if not (math.isfinite(t.aux_noise) and t.aux_noise >= 0):
+        found.append(f"train.aux_noise={t.aux_noise} (a finite scale >= 0; 0: no noise)")
+    if t.init_from_verifier is not None and t.init_from_verifier < 0:
+        found.append(f"train.init_from_verifier={t.init_from_verifier} (a verifier layer id, or null)")
     if t.steps is not None and t.steps < 0:
         found.append(f"train.steps={t.steps} (0 or more; null: train.epochs passes)")
     found += warmup_problems(t.warmup_steps, t.warmup_ratio)

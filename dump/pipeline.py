@@ -28,7 +28,8 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from data.conversations import Conversation, ReadStats, load_conversations
+from data.conversations import Conversation, ReadStats
+from data.heldout_set import HeldoutSet, dump_conversations
 from data.split import held_out_by
 from data.rejection import Rejection
 from data.template import SampleRejected, TokenizedSample, tokenize_conversation
@@ -131,21 +132,38 @@ def write_batch(writer: StoreWriter, capture: HiddenStateCapture, samples: list[
     return tokens
 
 
-def check_input(data: DictConfig, split: str) -> None:
+def conversations_of(cfg: DictConfig, stats: ReadStats | None = None) -> Iterator[Conversation]:
+    """What the dump writes, in order: the data's conversations and the trainer's held-out set
+    (data/heldout_set.py)."""
+    # No held-out split: no held-out set to read on for.
+    wanted = cfg.heldout_set.conversations if cfg.heldout_split.heldout_fraction > 0 else 0
+    heldout_set = HeldoutSet(wanted, cfg.heldout_set.max_tokens)
+    return dump_conversations(cfg.data, cfg.split, trainer_heldout(cfg), heldout_set, stats)
+
+
+def trainer_heldout(cfg: DictConfig) -> Callable[[str], bool]:
+    """The trainer's held-out rule (conf/heldout_split) on sample ids."""
+    return held_out_by(cfg.heldout_split.heldout_fraction, cfg.heldout_split.heldout_seed, cfg.data.format)
+
+
+def check_input(cfg: DictConfig) -> None:
     """Read what the dump will read, once, so that under on_error=raise a bad record (malformed,
     or a duplicate id) fails the dump before an engine starts rather than hours into it."""
-    deque(load_conversations(data, split), maxlen=0)
+    deque(conversations_of(cfg), maxlen=0)
 
 
 def tokenize_batch(writer: StoreWriter, tokenizer: PreTrainedTokenizerBase, batch: list[Conversation],
-                   cfg: DictConfig, rejections: Rejections, done: AbstractSet[str] = frozenset()
-                   ) -> list[TokenizedSample]:
-    """The batch's samples under cfg.max_len and cfg.over_long; the others are rejected (those
-    `done` were, by the run that recorded them)."""
+                   cfg: DictConfig, rejections: Rejections, done: AbstractSet[str] = frozenset(),
+                   heldout: Callable[[str], bool] | None = None) -> list[TokenizedSample]:
+    """The batch's samples under cfg.max_len and cfg.over_long, the trainer's `heldout` ones cut to
+    cfg.heldout_set.max_tokens; the others are rejected (those `done` were, by the run that
+    recorded them)."""
     samples: list[TokenizedSample] = []
     for conv in batch:
+        held = heldout is not None and heldout(conv.id)
+        max_len = min(cfg.max_len, cfg.heldout_set.max_tokens) if held else cfg.max_len
         try:
-            samples.append(tokenize_conversation(tokenizer, conv, cfg.max_len, cfg.over_long))
+            samples.append(tokenize_conversation(tokenizer, conv, max_len, "truncate" if held else cfg.over_long))
         except SampleRejected as err:
             if conv.id in done:
                 continue
@@ -175,16 +193,16 @@ def run_dump(cfg: DictConfig, llm=None) -> dict[str, Any]:
     first, and a bad record stops the dump before anything is started or written.
     """
     if cfg.data.on_error == "raise":
-        check_input(cfg.data, cfg.split)
+        check_input(cfg)
     vdir = verifier_dir(cfg.verifier)
     tokenizer = Verifier.from_conf(cfg.verifier).tokenizer()
-    heldout = held_out_by(cfg.heldout_split.heldout_fraction, cfg.heldout_split.heldout_seed, cfg.data.format)
+    heldout = trainer_heldout(cfg)
     writer = open_writer(cfg.output_dir, cfg.verifier, cfg.store, OmegaConf.to_container(cfg, resolve=True),
                          cfg.rank, cfg.world_size, heldout)
     done = writer.done_sample_ids()
     read_stats = ReadStats()
     # Done conversations stay in the stream: rounds and calls are cut as an uninterrupted run cut them.
-    owned = (c for c in load_conversations(cfg.data, cfg.split, read_stats) if writer.owns(c.id))
+    owned = (c for c in conversations_of(cfg, read_stats) if writer.owns(c.id))
 
     spec = capture_spec(cfg.verifier)
     own_engine = llm is None
@@ -208,7 +226,7 @@ def run_dump(cfg: DictConfig, llm=None) -> dict[str, Any]:
                 if cfg.regenerate.enabled:  # the whole round: the company its answers were decoded in
                     batch = regenerate(llm, tokenizer, batch, cfg.regenerate,
                                        cfg.verifier.end_of_turn, cfg.max_len)
-                samples = tokenize_batch(writer, tokenizer, batch, cfg, rejections, done)
+                samples = tokenize_batch(writer, tokenizer, batch, cfg, rejections, done, heldout)
                 for added in capture_round(writer, capture, samples, cfg.capture.max_batch_tokens,
                                            rejections, done):
                     tokens += added

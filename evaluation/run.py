@@ -212,7 +212,6 @@ def evaluate_draft(cfg: DictConfig, run_dir: Path, capture_llm=None) -> dict[str
     from model.card import write_card
     from model.verifier import verifier_dir
     from model.verifier_handle import Verifier
-    from train.run_folder import run_summary
 
     draft_dir = resolve(cfg.draft_dir)
     check_draft(draft_dir, cfg)
@@ -244,6 +243,6 @@ def evaluate_draft(cfg: DictConfig, run_dir: Path, capture_llm=None) -> dict[str
                     f"{draft_dir.parent.name}/{draft_dir.name} on {cfg.verifier.name}: acceptance per draft position")
     if cfg.card:
         write_card(draft_dir, cfg.verifier.name, cfg.verifier.path, cfg.verifier.serving_tp, cfg.verifier.serving_pp,
-                   run_summary(draft_dir), text)
+                   text)
     return out
 

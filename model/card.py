@@ -14,8 +14,9 @@ from model.checkpoint import (AUX_KEY, CONFIG_FILE, DEEPSEEK_V3, EAGLE_CONFIG, E
                               engine_captures, engine_load_problems, read_folder_config, stored_names,
                               tokenspeed_flag_ids)
 from model.aux_ids import vllm_to_sglang_aux_ids
+from model.training_facts import TrainingFacts
 
-CARD = "README.md"        # in the draft folder; a training run's summary: train/run_folder.py
+CARD = "README.md"        # in the draft folder, beside the training facts (model/training_facts.py)
 
 
 def _architecture(config: dict[str, Any], aux: list[int], names: list[str]) -> list[str]:
@@ -113,30 +114,28 @@ def _launch(verifier: str, draft: str, config: dict[str, Any], aux: list[int], t
     return lines
 
 
-def _training(summary: dict[str, Any] | None) -> list[str]:
-    if not summary:
+def _training(facts: TrainingFacts | None) -> list[str]:
+    if facts is None:
         return ["Training set-up: not recorded (the draft was exported outside a training run)."]
-    cfg = summary.get("config", {})
-    t = cfg.get("train", {})
-    held = summary.get("heldout", {})
+    f = facts
     lines = [
-        f"- Store `{cfg.get('store_dir')}`: hidden states of the verifier dumped through vLLM.",
-        f"- {summary.get('steps')} optimizer steps, {t.get('grad_accum')} x {t.get('micro_batch')} packed rows of "
-        f"up to {t.get('max_len')} tokens per step and rank, {summary.get('world_size')} rank(s), DeepSpeed ZeRO-"
-        f"{summary.get('zero_stage')}, {t.get('precision')}.",
-        f"- AdamW lr {t.get('lr')} (warmup {t.get('warmup_steps') if t.get('warmup_steps') is not None else str(t.get('warmup_ratio')) + ' of the steps'}, cosine to {t.get('min_lr_ratio')} x lr), "
-        f"grad clip {t.get('grad_clip')}; training-time test {t.get('ttt', {}).get('steps')} steps, "
-        f"step weights {t.get('ttt', {}).get('decay')}^k; soft cross-entropy against the verifier's distribution.",
+        f"- Store `{f.store_dir}`: hidden states of the verifier dumped through vLLM.",
+        f"- {f.steps} optimizer steps, {f.grad_accum} x {f.micro_batch} packed rows of up to {f.max_len} tokens "
+        f"per step and rank, {f.world_size} rank(s), DeepSpeed ZeRO-{f.zero_stage}, {f.precision}.",
+        f"- AdamW lr {f.lr} (warmup {f.warmup}, cosine to {f.min_lr_ratio} x lr), grad clip {f.grad_clip}; "
+        f"training-time test {f.ttt_steps} steps, step weights {f.ttt_decay}^k; {f.loss}.",
+        f"- Command: `{f.command}`.",
     ]
-    if held:
-        lines.append(f"- Held-out split of the store: simulated accept length {held.get('accept_length', 0):.3f} "
-                     f"(chain replay {held.get('chain_accept_length', 0):.3f}).")
+    if f.heldout_accept_length is not None:
+        lines.append(f"- Held-out split of the store: simulated accept length {f.heldout_accept_length:.3f} "
+                     f"(chain replay {f.heldout_chain_accept_length:.3f}).")
     return lines
 
 
 def write_card(draft_dir: Path, verifier_name: str, verifier_path: str, tp: int, pp: int,
-               summary: dict[str, Any] | None = None, table: str | None = None) -> Path:
-    """(Re)write <draft_dir>/README.md; `table`: the markdown accept-length table from `make eval`."""
+               table: str | None = None) -> Path:
+    """(Re)write <draft_dir>/README.md from the folder (its training.json, when a run wrote one);
+    `table`: the markdown accept-length table from `make eval`."""
     draft_dir = Path(draft_dir)
     config = json.loads((draft_dir / CONFIG_FILE).read_text())
     cfg, names = read_folder_config(draft_dir), stored_names(draft_dir)
@@ -152,7 +151,7 @@ def write_card(draft_dir: Path, verifier_name: str, verifier_path: str, tp: int,
         *_architecture(config, aux, names),
         "",
         "## Training",
-        *_training(summary),
+        *_training(TrainingFacts.read(draft_dir)),
         "",
         "## Accept length (topk 1, 3 steps, 4 draft tokens; ceiling 4)",
         table if table else "Not measured yet: run `make eval DRAFT=<this folder>`.",

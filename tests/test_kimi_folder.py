@@ -108,6 +108,7 @@ def test_dump_train_and_evaluate_on_a_kimi_folder(kimi_folder: Path, tmp_path: P
 
     store = tmp_path / "store"
     dump_cfg = compose_config("dump", [*_verifier(kimi_folder), "data.max_samples=8", "max_len=256",
+                                       "heldout_set.conversations=0",
                                        "regenerate.max_tokens=24", f"output_dir={store}"])
     llm = start_capture_engine(kimi_folder, dump_cfg.engine, capture_spec(dump_cfg.verifier), int(dump_cfg.max_len),
                                trust_remote_code=True)

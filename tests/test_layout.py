@@ -28,7 +28,7 @@ FORBIDDEN = {
     **{package: {"dump", "train", "evaluation", "bench", "tools"} for package in LOWER},
     "dump": {"train", "evaluation", "bench", "tools"},
     "train": {"dump", "evaluation", "bench", "tools", "vllm"},
-    "evaluation": {"bench", "tools"},
+    "evaluation": {"train", "bench", "tools"},   # a draft folder carries what evaluation needs
 }
 
 

@@ -267,14 +267,18 @@ def test_simulated_accept_length() -> None:
 
 # ---- acceptance term ------------------------------------------------------------------------
 def _acceptance_reference(normed, head, target_hidden, target_head, keep, kind, weight):
-    """Dense PyTorch: sum over rows of soft CE + weight * (1 - alpha) (tv) or weight * -log
-    max(alpha, 1e-6) (lk), alpha = sum_v min(p_v, q_v), p restricted to keep and renormalised."""
+    """Dense PyTorch: sum over rows of soft CE + weight * (1 - alpha) (tv), weight * -log
+    max(alpha, 1e-6) (lk), or lambda CE + (1 - lambda)(1 - alpha) with lambda = exp(-weight alpha)
+    held constant (hybrid); alpha = sum_v min(p_v, q_v), p restricted to keep and renormalised."""
     target = target_hidden @ target_head.T
     if keep is not None:
         target = target[:, keep]
     p, logits = target.softmax(-1), normed @ head.T
     ce = -(p * logits.log_softmax(-1)).sum(-1)
     alpha = torch.minimum(p, logits.softmax(-1)).sum(-1)
+    if kind == "hybrid":
+        lam = torch.exp(-weight * alpha.detach())
+        return (lam * ce + (1 - lam) * (1 - alpha)).sum()
     term = 1 - alpha if kind == "tv" else -alpha.clamp(min=1e-6).log()
     return (ce + weight * term).sum()
 
@@ -303,7 +307,7 @@ def _grads(loss_fn, normed, head):
 @pytest.mark.parametrize("cached", [False, True])
 @pytest.mark.parametrize("pruned", [False, True])
 @pytest.mark.parametrize("chunk", [1, 7, 64])
-@pytest.mark.parametrize("kind", ["tv", "lk"])
+@pytest.mark.parametrize("kind", ["tv", "lk", "hybrid"])
 def test_acceptance_loss_and_gradients_equal_the_dense_reference(kind: str, chunk: int, pruned: bool,
                                                                  cached: bool) -> None:
     """Chunked CE + acceptance term == materialised softmax and autograd, in the loss and in the
@@ -432,7 +436,7 @@ def test_objective_optimises_and_logs_the_acceptance_term(
 
 def test_acceptance_settings_are_refused_where_they_cannot_work(
         tiny_cfg: DraftConfig, draft_verifier_dir: Path, train_store: Path) -> None:
-    with pytest.raises(ValueError, match="tv, lk"):
+    with pytest.raises(ValueError, match="tv, lk, hybrid"):
         ObjectiveConfig(3, 0.8, 1 << 27, acceptance="kl")
     with pytest.raises(ValueError, match="acceptance_weight"):
         ObjectiveConfig(3, 0.8, 1 << 27, acceptance="tv", acceptance_weight=-1.0)

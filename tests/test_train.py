@@ -19,9 +19,11 @@ import pytest
 import torch
 
 import train.loop as loop
+from evaluation.paired import HeldoutSums, paired_difference
 from infra import REPO_ROOT
 from config import compose_config
 from model.checkpoint import load_draft
+from model.training_facts import TrainingFacts
 from model.verifier_handle import Verifier
 from store import StoreMismatchError, StoreWriter, verifier_identity
 from tests.conftest import TRAIN_STORE_MAX_LEN, write_verifier_store
@@ -97,6 +99,10 @@ def _heldout(run_dir: Path) -> dict:
     chains = [held[f"chain_{k}"] for k in range(EVAL_STEPS)]
     assert chains[0] == held["acc_0"] and chains == sorted(chains, reverse=True)    # chains only end
     assert held["chain_accept_length"] == pytest.approx(1.0 + sum(chains), rel=1e-12, abs=0)
+    # The per-sample sums of the same evaluation (evaluation/paired.py reads them) add up to it.
+    sums = HeldoutSums.read(run_dir / "heldout_samples.json")
+    assert sums.step == held["step"] and sum(sums.positions.values()) == held["tokens_counted"]
+    assert sums.chain_accept_length() == pytest.approx(held["chain_accept_length"], rel=1e-12)
     return held
 
 
@@ -161,6 +167,12 @@ def test_export_loads_back_with_the_trained_weights(zero_runs: dict[str, Path], 
     assert export_main([str(run / "checkpoints" / "step-00000006"), str(run / "again")]) == 0
     again = load_draft(run / "again")
     assert all(torch.equal(again.state_dict()[k], v) for k, v in exported.items())
+    # The run's facts travel with its draft folder (evaluation and the card read them there); a
+    # folder exported outside a run has none.
+    facts = TrainingFacts.read(run / "draft")
+    assert facts.steps == STEPS and facts.zero_stage == int(stage[-1]) and facts.heldout_accept_length > 1
+    assert f"{STEPS} optimizer steps" in (run / "draft" / "README.md").read_text()
+    assert TrainingFacts.read(run / "again") is None
 
 
 def test_export_finds_the_runs_verifier_in_its_saved_config(tmp_path: Path, draft_verifier_dir: Path) -> None:
@@ -266,6 +278,10 @@ def test_two_ranks_match_one_rank_with_the_same_global_batch(tmp_path: Path, tra
     a, b = (read_jsonl(r / "metrics.jsonl", "heldout")[-1] for r in (one, two))
     assert a["tokens_counted"] == b["tokens_counted"]
     assert a["accept_length"] == pytest.approx(b["accept_length"], rel=1e-5)
+    # Each held-out sample's sums, gathered from the rank that evaluated it.
+    sa, sb = (HeldoutSums.read(r / "heldout_samples.json") for r in (one, two))
+    assert sa.positions == sb.positions and len(sa.positions) > 1
+    assert paired_difference(sa, sb).diff == pytest.approx(0.0, abs=1e-5)
 
 
 def test_sigkill_then_resume_repeats_the_uninterrupted_run(tmp_path: Path, train_store: Path,

@@ -206,16 +206,16 @@ class StoreSplit:
         epoch_rows = len(self.train_stream(max_len, seed).epoch(0)) if self.train else 0
         return SplitSizes(self.path, len(self.train), len(self.heldout), epoch_rows, rows_per_step, world_size)
 
-    def eval_rows(self, max_len: int, rank: int, world_size: int) -> list[tuple[list[int], bool]]:
-        """(row, counted) pairs: held-out samples packed in store order, rank r taking every
-        world_size-th row. Every rank gets the same number of rows (ZeRO-3 gathers weights in
-        every forward, all ranks together): the short ones repeat a row with counted False."""
-        rows = pack_next_fit([r.num_tokens for r in self.heldout], max_len)
-        if not rows:
+    def eval_rows(self, rank: int, world_size: int) -> list[tuple[int, bool]]:
+        """(held-out sample index, counted) pairs, one sample per row (its sums are kept apart:
+        train/heldout.py), rank r taking every world_size-th. Every rank gets the same number of
+        rows (ZeRO-3 gathers weights in every forward, all ranks together): the short ones repeat
+        a row with counted False."""
+        if not self.heldout:
             raise ValueError("no held-out samples: raise eval.heldout_fraction or use a larger store")
-        mine = [(row, True) for row in rows[rank::world_size]]
-        per_rank = math.ceil(len(rows) / world_size)
-        filler = mine[0][0] if mine else rows[0]
+        mine = [(i, True) for i in range(len(self.heldout))[rank::world_size]]
+        per_rank = math.ceil(len(self.heldout) / world_size)
+        filler = mine[0][0] if mine else 0
         return mine + [(filler, False)] * (per_rank - len(mine))
 
 

@@ -1,14 +1,18 @@
 """From the trainer's state to a draft: the draft's weights gathered off a live DeepSpeed engine,
 or consolidated from a DeepSpeed checkpoint folder, and the CPU fp32 draft holding them (which
-model.checkpoint.export_draft writes as a vLLM draft folder)."""
+model.checkpoint.export_draft writes as a vLLM draft folder); the training facts the run writes
+beside them (model/training_facts.py)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
+from omegaconf import DictConfig
 
 from model.checkpoint import HEAD
 from model.draft import DraftConfig, Eagle3Draft
+from model.training_facts import TrainingFacts
 from model.verifier_handle import Verifier
 from model.vocab import t2d_from_d2t
 from train.deepspeed_setup import zero_stage
@@ -58,3 +62,23 @@ def consolidated_checkpoint_state(folder: Path) -> dict[str, torch.Tensor]:
     state = get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
     prefix = "draft."
     return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def training_facts(cfg: DictConfig, summary: dict[str, Any]) -> TrainingFacts:
+    """The facts of a finished run (its config and `fit`'s summary) that its draft folder keeps."""
+    from hydra.core.hydra_config import HydraConfig
+
+    t, held = cfg.train, summary["heldout"] or {}
+    warmup = f"{t.warmup_steps} steps" if t.warmup_steps is not None else f"{t.warmup_ratio} of the steps"
+    loss = "soft cross-entropy against the verifier's distribution"
+    if t.loss.acceptance is not None:
+        loss += f", acceptance term {t.loss.acceptance} (weight {t.loss.acceptance_weight})"
+    overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else None
+    command = "python -m train " + " ".join(overrides) if overrides is not None else "(fit called in-process)"
+    return TrainingFacts(
+        store_dir=str(cfg.store_dir), steps=int(summary["steps"]), world_size=int(summary["world_size"]),
+        zero_stage=int(summary["zero_stage"]), precision=summary["precision"], micro_batch=t.micro_batch,
+        grad_accum=t.grad_accum, max_len=t.max_len, lr=t.lr, warmup=warmup, min_lr_ratio=t.min_lr_ratio,
+        grad_clip=t.grad_clip, ttt_steps=t.ttt.steps, ttt_decay=t.ttt.decay, loss=loss,
+        heldout_accept_length=held.get("accept_length"), heldout_chain_accept_length=held.get("chain_accept_length"),
+        command=command.strip())

@@ -15,9 +15,11 @@ lengths mean the same as with final states.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from model.batch import Batch
 from train.distributed import all_reduce_sum
@@ -25,18 +27,29 @@ from train.metrics import step_metrics
 from train.objective import StepStats
 
 
+@dataclass(frozen=True)
+class HeldoutResult:
+    """The held-out metrics (train/metrics.py step_metrics) and each sample's own sums."""
+
+    metrics: dict[str, float]
+    per_sample: Tensor      # [samples, 4, K] float64: StepStats.stacked() of each held-out sample
+
+
 @torch.no_grad()
-def evaluate(engine, batches: Iterable[Batch], counted: Iterable[bool],
-             steps: int) -> dict[str, float]:
-    """Metrics over the held-out micro-batches of all ranks (collective: every rank runs as many
-    batches; those with counted False only keep ZeRO-3's gathers in step and add nothing)."""
+def evaluate(engine, batches: Iterable[Batch], rows: Sequence[tuple[int, bool]], samples: int,
+             steps: int) -> HeldoutResult:
+    """Metrics over the held-out micro-batches of all ranks, one sample per batch: rows[i] =
+    (the sample batch i holds, counted). Collective: every rank runs as many batches; those with
+    counted False only keep ZeRO-3's gathers in step and add nothing. Each sample's sums are kept
+    apart, so that a difference between two drafts can be given a standard error clustered by
+    conversation (evaluation/paired.py)."""
     was_training = engine.module.training
     engine.eval()
-    total = StepStats.zeros(steps, engine.device)
-    for batch, keep in zip(batches, counted, strict=True):
-        stats = engine(batch.to(engine.device), steps).stats.stacked().to(total.device)
+    per_sample = torch.zeros(samples, len(StepStats._fields), steps, dtype=torch.float64, device=engine.device)
+    for batch, (sample, keep) in zip(batches, rows, strict=True):
+        stats = engine(batch.to(engine.device), steps).stats.stacked().to(per_sample.device)
         if keep:
-            total += stats
-    all_reduce_sum(total)
+            per_sample[sample] += stats
+    all_reduce_sum(per_sample)      # ranks hold different samples, or slices of the same ones
     engine.train(was_training)
-    return step_metrics(total)
+    return HeldoutResult(step_metrics(per_sample.sum(0)), per_sample.cpu())

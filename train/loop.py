@@ -34,6 +34,7 @@ from model.batch import Batch
 from model.card import write_card
 from model.checkpoint import draft_config_for_run, draft_config_json, export_draft, init_from_draft
 from model.draft import DraftConfig, build_draft
+from model.verifier_init import init_from_verifier_layer
 from model.compatibility import check_compatible
 from model.verifier_handle import Verifier
 from model.vocab import build_draft_vocab, count_tokens
@@ -43,9 +44,10 @@ from train.batches import (PackedRows, StoreSplit, check_split_sizes, iterate_to
 from train.checkpoints import load_checkpoint
 from train.deepspeed_setup import initialize, precision_of, zero_stage
 from train.distributed import all_reduce_sum, broadcast_object, check_finite, init_distributed, on_rank0
-from train.export import draft_from_state, gathered_draft_state
-from train.follow import FollowSchedule, check_follow_split, follow_summary, residence, wait_for_store, whole_store
-from train.heldout import evaluate
+from train.export import draft_from_state, gathered_draft_state, training_facts
+from train.follow import (FollowSchedule, Segment, check_follow_split, follow_summary, residence,
+                          wait_for_store, whole_store)
+from train.heldout import HeldoutResult, evaluate
 from train.metrics import RunLog, step_metrics
 from train.objective import Eagle3Objective, ObjectiveConfig, StepStats
 from train.run_folder import RunFolder
@@ -73,7 +75,7 @@ def _objective_config(cfg: DictConfig, steps: int | None = None) -> ObjectiveCon
                            chunk_bytes=loss.chunk_bytes, target_topk=loss.target_topk,
                            target_cache_bytes=loss.target_cache_bytes,
                            acceptance=loss.acceptance, acceptance_weight=loss.acceptance_weight,
-                           recompute=cfg.train.recompute)
+                           recompute=cfg.train.recompute, aux_noise=cfg.train.aux_noise)
 
 
 def _pruned_vocab(cfg: DraftConfig, split: StoreSplit, run_dir: Path, verifier: Verifier) -> torch.Tensor:
@@ -157,6 +159,9 @@ def build_objective(setup: RunSetup, cfg: DictConfig, resuming: bool = False) ->
     elif init_from:
         init_from_draft(draft, resolve(init_from))            # refuses a folder that is another draft
         logger.info("draft initialised from %s", resolve(init_from))
+    elif cfg.train.init_from_verifier is not None and not resuming:
+        init_from_verifier_layer(draft, setup.verifier.path, cfg.train.init_from_verifier)
+        logger.info("draft layer initialised from verifier layer %d", cfg.train.init_from_verifier)
     # [V, H]: the draft's own lm_head where it is the verifier's; a top-k store's loss reads none.
     shared = draft.lm_head.weight is head.lm_head
     target_head = None if setup.topk else (draft.lm_head.weight if shared else head.lm_head)
@@ -187,21 +192,24 @@ def train_step(engine, batches: Iterator[Batch], grad_accum: int, steps: int,
     return stats, sums[0].item() / (grad_accum * sequence.data_world), sums[1].item()
 
 
-def run_evaluation(engine, setup: RunSetup, cfg: DictConfig, sequence: SequenceParallel) -> dict[str, float]:
+def run_evaluation(engine, setup: RunSetup, cfg: DictConfig, sequence: SequenceParallel) -> HeldoutResult:
     """The held-out metrics; the ranks of a sequence-parallel group evaluate the same rows."""
-    plan = setup.split.eval_rows(cfg.train.max_len, sequence.data_rank, sequence.data_world)
-    rows = PackedRows(setup.split.path, setup.split.heldout, [r for r, _ in plan], cfg.train.max_len,
+    plan = setup.split.eval_rows(sequence.data_rank, sequence.data_world)
+    rows = PackedRows(setup.split.path, setup.split.heldout, [[i] for i, _ in plan], cfg.train.max_len,
                       cfg.train.loss.last_turn_only)
     loader = make_loader(rows, 1, cfg.train.num_workers, cfg.train.prefetch_factor,
                          cfg.train.pad_multiple * sequence.size, sequence.slicer)
-    return evaluate(engine, loader, [c for _, c in plan], cfg.eval.ttt_steps)
+    return evaluate(engine, loader, plan, len(setup.split.heldout), cfg.eval.ttt_steps)
 
 
 def evaluate_and_log(engine, setup: RunSetup, cfg: DictConfig, rank: int, sequence: SequenceParallel,
                      log: RunLog, step: int, bar: tqdm) -> dict[str, float]:
-    """The held-out evaluation after `step`, written to the run log and the progress bar."""
-    heldout = run_evaluation(engine, setup, cfg, sequence)
+    """The held-out evaluation after `step`, written to the run log (each sample's sums too) and
+    the progress bar."""
+    result = run_evaluation(engine, setup, cfg, sequence)
+    heldout = result.metrics
     log.write("heldout", step, heldout)
+    log.write_samples(step, [ref.sample_id for ref in setup.split.heldout], result.per_sample)
     if rank == 0:
         accs = ", ".join(f"{heldout[f'acc_{k}']:.3f}" for k in range(cfg.eval.ttt_steps))
         bar.write(f"step {step}: held-out accept length {heldout['accept_length']:.3f} (top-1 {accs})")
@@ -226,19 +234,140 @@ def follow_schedule(cfg: DictConfig, run: RunFolder, setup: RunSetup, rank: int)
                           heldout=(cfg.eval.heldout_fraction, cfg.eval.heldout_seed), rank=rank)
 
 
-def fit(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
-    """Train (or resume) one run into run_dir; returns the summary."""
+class WholeStore:
+    """The segments of a run on a finished store: one, evaluated as it trains."""
+
+    evaluates_while_training = True
+
+    def __init__(self, setup: RunSetup, cfg: DictConfig) -> None:
+        self.setup, self.cfg = setup, cfg
+
+    def segments(self, start: int) -> Iterator[Segment]:
+        return whole_store(self.setup.split.train, self.setup.split.train_stream(self.cfg.train.max_len, self.cfg.seed),
+                           self.setup.total_steps)
+
+    def segment_done(self, trainer: Trainer, segment: Segment) -> None:
+        pass
+
+    def final_setup(self, trainer: Trainer) -> tuple[RunSetup, int | None]:
+        return self.setup, self.setup.total_steps
+
+    def summary(self) -> dict[str, Any] | None:
+        return None
+
+
+class FollowedStore(WholeStore):
+    """The windows of a store a dump still writes (train/follow.py): each ends with a durable
+    checkpoint, after which the shards it finished retire; the held-out set grows with the store,
+    so it is evaluated once, at the end, on the whole store's."""
+
+    evaluates_while_training = False
+
+    def __init__(self, setup: RunSetup, cfg: DictConfig, schedule: FollowSchedule, start: int) -> None:
+        super().__init__(setup, cfg)
+        self.schedule = schedule
+        schedule.retire_through(start)        # a run killed between its checkpoint and the retirement
+
+    def segments(self, start: int) -> Iterator[Segment]:
+        return self.schedule.segments(start)
+
+    def segment_done(self, trainer: Trainer, segment: Segment) -> None:
+        if trainer.saved != segment.end:      # the window's shards go only once a checkpoint is past them
+            trainer.checkpoint(segment.end)
+        failpoint("train.window.checkpointed")
+        self.schedule.retire_through(segment.end)
+
+    def final_setup(self, trainer: Trainer) -> tuple[RunSetup, int | None]:
+        split = StoreSplit.open(self.setup.split.path, self.cfg.eval.heldout_fraction, self.cfg.eval.heldout_seed)
+        return dataclasses.replace(self.setup, split=split), trainer.done
+
+    def summary(self) -> dict[str, Any] | None:
+        return follow_summary(self.schedule)
+
+
+@dataclass
+class Trainer:
+    """A run's engine and what its steps so far left (the step reached, the newest checkpoint,
+    the counters of the summary)."""
+
+    cfg: DictConfig
+    run: RunFolder
+    setup: RunSetup
+    engine: Any
+    sequence: SequenceParallel
+    rank: int
+    log: RunLog
+    bar: tqdm
+    start: int
+    last_ckpt: Path | None
+    total: int | None               # None while following: only the dump knows
+    done: int = 0
+    saved: int = 0
+    loss: float = math.nan
+    tokens: float = 0.0
+    seconds: float = 0.0
+    heldout: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def train_segment(self, segment: Segment, evaluating: bool) -> None:
+        t = self.cfg.train
+        first = max(self.start, segment.first_step)
+        plan = rank_rows(segment.stream, first - segment.first_step, segment.steps, t.micro_batch, t.grad_accum,
+                         self.sequence.data_rank, self.sequence.data_world)
+        rows = PackedRows(self.setup.split.path, segment.refs, [r for _, r in plan], t.max_len, t.loss.last_turn_only)
+        batches = iter(make_loader(rows, t.micro_batch, t.num_workers, t.prefetch_factor,
+                                   t.pad_multiple * self.sequence.size, self.sequence.slicer))
+        for step in range(first, segment.end):
+            record = self.step(batches, step)
+            record["epoch"] = plan[(self.done - first) * t.grad_accum * t.micro_batch - 1][0]
+            record["segment"] = segment.index
+            if _due(t.log_every, self.done, self.total):
+                self.log.write("train", self.done, record)
+            self.bar.update(1)
+            failpoint("train.step.done")
+            self.bar.set_postfix(loss=f"{self.loss:.3f}", acc0=f"{record['acc_0']:.3f}",
+                                 tok_s=f"{record['tokens_per_s']:.0f}")
+            if _due(t.checkpoint_every, self.done, self.total):
+                self.checkpoint(self.done)
+            if evaluating and self.done < self.total and _due(self.cfg.eval.every, self.done, self.total):
+                self.evaluate(self.done)
+
+    def step(self, batches: Iterator[Batch], step: int) -> dict[str, Any]:
+        """One optimizer step; its record for the run log."""
+        lr = self.engine.get_lr()[0]                                    # the lr this step applies
+        began = time.perf_counter()
+        stats, self.loss, tokens = train_step(self.engine, batches, self.cfg.train.grad_accum,
+                                              self.cfg.train.ttt.steps, step, self.last_ckpt, self.sequence)
+        elapsed = time.perf_counter() - began
+        self.tokens, self.seconds, self.done = self.tokens + tokens, self.seconds + elapsed, step + 1
+        grad_norm = self.engine.get_global_grad_norm()
+        return {"loss": self.loss, **step_metrics(stats), "lr": lr,
+                "grad_norm": None if grad_norm is None else float(grad_norm),
+                "tokens": tokens, "tokens_per_s": tokens / elapsed,
+                # This process's resident memory now and at its peak (DataLoader workers apart).
+                "rss_bytes": process_memory_bytes("VmRSS"), "peak_rss_bytes": process_memory_bytes("VmHWM")}
+
+    def checkpoint(self, step: int) -> None:
+        self.last_ckpt = self.run.save_checkpoint(self.engine, step, self.cfg.train.keep_checkpoints,
+                                                  {"loss": self.loss}, self.setup.verifier.path)
+        self.saved = step
+
+    def evaluate(self, step: int) -> None:
+        self.heldout = evaluate_and_log(self.engine, self.setup, self.cfg, self.rank, self.sequence, self.log,
+                                        step, self.bar)
+
+
+def start_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
+    """The run's folder, setup and engine, resumed from its checkpoint where there is one."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    rank, world = init_distributed()
+    rank, _ = init_distributed()
     # Before any compute: a size the ranks or the heads do not split by is refused here.
     sequence = init_sequence_parallel(cfg.train.sequence_parallel, cfg.draft.num_attention_heads,
                                       max(cfg.train.ttt.steps, cfg.eval.ttt_steps))
     run = RunFolder(Path(broadcast_object(str(Path(run_dir).resolve()))))    # rank 0's folder for all
     run.root.mkdir(parents=True, exist_ok=True)
     setup = prepare(cfg, run.root, sequence.data_world)
-    t, K, accum = cfg.train, cfg.train.ttt.steps, cfg.train.grad_accum
-    resume_from = on_rank0(lambda: run.resolve_resume(t.resume))
+    resume_from = on_rank0(lambda: run.resolve_resume(cfg.train.resume))
     objective = build_objective(setup, cfg, resuming=resume_from is not None)
     objective.split_rows(sequence)
     engine = initialize(objective, cfg, setup.total_steps, sequence.mpu())
@@ -246,88 +375,48 @@ def fit(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     start = load_checkpoint(engine, resume_from) if resume_from else 0
     if resume_from:
         logger.info("resumed from %s at step %d", resume_from, start)
-    last_ckpt = resume_from
-    log = RunLog(run.metrics, run.tensorboard, rank == 0, start)
+    log = RunLog(run.metrics, run.tensorboard, rank == 0, start, run.heldout_samples)
+    bar = tqdm(total=setup.total_steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
+               disable=rank != 0)
+    return Trainer(cfg, run, setup, engine, sequence, rank, log, bar, start, resume_from, setup.total_steps,
+                   done=start, saved=start)
 
-    schedule = follow_schedule(cfg, run, setup, rank) if t.follow else None
-    if schedule is not None:
-        schedule.retire_through(start)        # a run killed between its checkpoint and the retirement
-        segments = schedule.segments(start)
-    else:
-        segments = whole_store(setup.split.train, setup.split.train_stream(t.max_len, cfg.seed), setup.total_steps)
-    rows_per_rank_step = accum * t.micro_batch
-    total = setup.total_steps                          # None while following: only the dump knows
-    bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True, disable=rank != 0)
-    heldout: dict[str, float] = {}
-    # None held out: skipped (prepare warned). Following, the held-out set grows with the store:
-    # evaluated once, at the end.
-    evaluating = bool(setup.split.heldout) and schedule is None
-    tokens_total, time_total, saved, done = 0.0, 0.0, start, start
+
+def fit(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    """Train (or resume) one run into run_dir; returns the summary."""
+    trainer = start_trainer(cfg, run_dir)
+    setup, resumed_from = trainer.setup, trainer.last_ckpt
+    source = (FollowedStore(setup, cfg, follow_schedule(cfg, trainer.run, setup, trainer.rank), trainer.start)
+              if cfg.train.follow else WholeStore(setup, cfg))
     try:
-        for segment in segments:
-            first = max(start, segment.first_step)
-            plan = rank_rows(segment.stream, first - segment.first_step, segment.steps, t.micro_batch, accum,
-                             sequence.data_rank, sequence.data_world)
-            rows = PackedRows(setup.split.path, segment.refs, [r for _, r in plan], t.max_len,
-                              t.loss.last_turn_only)
-            batches = iter(make_loader(rows, t.micro_batch, t.num_workers, t.prefetch_factor,
-                                       t.pad_multiple * sequence.size, sequence.slicer))
-            for step in range(first, segment.end):
-                lr = engine.get_lr()[0]                        # the lr this step applies
-                began = time.perf_counter()
-                stats, loss, tokens = train_step(engine, batches, accum, K, step, last_ckpt, sequence)
-                elapsed = time.perf_counter() - began
-                tokens_total, time_total = tokens_total + tokens, time_total + elapsed
-                done = step + 1
-                grad_norm = engine.get_global_grad_norm()
-                record = {"loss": loss, **step_metrics(stats), "lr": lr,
-                          "grad_norm": None if grad_norm is None else float(grad_norm),
-                          "tokens": tokens, "tokens_per_s": tokens / elapsed,
-                          # This process's resident memory now and at its peak (DataLoader workers apart).
-                          "rss_bytes": process_memory_bytes("VmRSS"), "peak_rss_bytes": process_memory_bytes("VmHWM"),
-                          "epoch": plan[(done - first) * rows_per_rank_step - 1][0], "segment": segment.index}
-                if _due(t.log_every, done, total):
-                    log.write("train", done, record)
-                bar.update(1)
-                failpoint("train.step.done")
-                bar.set_postfix(loss=f"{loss:.3f}", acc0=f"{record['acc_0']:.3f}", tok_s=f"{tokens / elapsed:.0f}")
-                if _due(t.checkpoint_every, done, total):
-                    last_ckpt, saved = run.save_checkpoint(engine, done, t.keep_checkpoints, {"loss": loss},
-                                                           setup.verifier.path), done
-                if evaluating and done < total and _due(cfg.eval.every, done, total):
-                    heldout = evaluate_and_log(engine, setup, cfg, rank, sequence, log, done, bar)
-            if schedule is not None:
-                # The window's shards go only once a durable checkpoint is past them.
-                if saved != segment.end:
-                    last_ckpt, saved = run.save_checkpoint(engine, segment.end, t.keep_checkpoints, {"loss": loss},
-                                                           setup.verifier.path), segment.end
-                failpoint("train.window.checkpointed")
-                schedule.retire_through(segment.end)
-        if schedule is not None:
-            # The dump is done: the held-out samples of the whole store, for the final evaluation.
-            total = done
-            setup = dataclasses.replace(setup, split=StoreSplit.open(setup.split.path, cfg.eval.heldout_fraction,
-                                                                     cfg.eval.heldout_seed))
-            evaluating = bool(setup.split.heldout)
+        # None held out: skipped (prepare warned).
+        evaluating = bool(setup.split.heldout) and source.evaluates_while_training
+        for segment in source.segments(trainer.start):
+            trainer.train_segment(segment, evaluating)
+            source.segment_done(trainer, segment)
+        trainer.setup, trainer.total = source.final_setup(trainer)
         # The final evaluation (also of a resumed run that had already finished) after the export:
         # whatever it meets, the trained draft is on disk.
-        exported = export_run(engine, setup, run, getattr(torch, t.export_dtype)) if t.export else None
-        if evaluating:
-            heldout = evaluate_and_log(engine, setup, cfg, rank, sequence, log, max(start, total), bar)
+        exported = (export_run(trainer.engine, trainer.setup, trainer.run, getattr(torch, cfg.train.export_dtype))
+                    if cfg.train.export else None)
+        if trainer.setup.split.heldout:
+            trainer.evaluate(max(trainer.start, trainer.total))
     finally:
-        bar.close()
-        log.close()
-    summary = {"run_dir": str(run.root), "rank": rank, "world_size": world,
-               "sequence_parallel": sequence.size, "steps": total,
-               "follow": follow_summary(schedule) if schedule is not None else None,
-               "resumed_from": str(resume_from) if resume_from else None, "zero_stage": zero_stage(engine),
-               "precision": precision_of(t.precision), "train_tokens_per_s": tokens_total / time_total if time_total else None,
-               "heldout": heldout, "exported": exported, "last_checkpoint": str(last_ckpt) if last_ckpt else None,
+        trainer.bar.close()
+        trainer.log.close()
+    summary = {"run_dir": str(trainer.run.root), "rank": trainer.rank, "world_size": dist.get_world_size(),
+               "sequence_parallel": trainer.sequence.size, "steps": trainer.total, "follow": source.summary(),
+               "resumed_from": str(resumed_from) if resumed_from else None, "zero_stage": zero_stage(trainer.engine),
+               "precision": precision_of(cfg.train.precision),
+               "train_tokens_per_s": trainer.tokens / trainer.seconds if trainer.seconds else None,
+               "heldout": trainer.heldout, "exported": exported,
+               "last_checkpoint": str(trainer.last_ckpt) if trainer.last_ckpt else None,
                "config": OmegaConf.to_container(cfg, resolve=True)}
-    if rank == 0:
-        run.write_summary(summary)
+    if trainer.rank == 0:
+        trainer.run.write_summary(summary)
         if exported:
+            training_facts(cfg, summary).write(Path(exported))
             write_card(Path(exported), cfg.verifier.name, cfg.verifier.path, cfg.verifier.serving_tp,
-                       cfg.verifier.serving_pp, summary)
-    engine.destroy()
+                       cfg.verifier.serving_pp)
+    trainer.engine.destroy()
     return summary

@@ -42,9 +42,11 @@ def step_metrics(stats: Tensor, prefix: str = "") -> dict[str, float]:
 class RunLog:
     """JSONL + TensorBoard writer of rank 0; other ranks get one that does nothing."""
 
-    def __init__(self, jsonl: Path, tensorboard: Path, enabled: bool, resume_step: int = 0) -> None:
+    def __init__(self, jsonl: Path, tensorboard: Path, enabled: bool, resume_step: int = 0,
+                 samples: Path | None = None) -> None:
         self.enabled = enabled
         self.path = Path(jsonl)
+        self.samples_path = samples
         self._tb = None
         if not enabled:
             return
@@ -68,6 +70,21 @@ class RunLog:
         for key, value in values.items():
             if isinstance(value, (int, float)) and math.isfinite(value):
                 self._tb.add_scalar(f"{split}/{key}", value, step)
+
+    def write_samples(self, step: int, sample_ids: list[str], per_sample: Tensor) -> None:
+        """The samples file (train/run_folder.py heldout_samples): the latest evaluation's sums per held-out
+        sample (train/heldout.py), by sample id: positions (chains counted), chain_sum (the sum
+        over its positions of the drafts accepted, so chain accept length = 1 + chain_sum /
+        positions), correct and count per TTT step."""
+        if not self.enabled or self.samples_path is None:
+            return
+        loss_sum, correct, count, chain = per_sample.double().unbind(1)     # each [samples, K]
+        samples = {sid: {"positions": float(count[i, 0]), "chain_sum": float(chain[i].sum()),
+                         "correct": correct[i].tolist(), "count": count[i].tolist()}
+                   for i, sid in enumerate(sample_ids)}
+        tmp = self.samples_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"step": step, "samples": samples}) + "\n")
+        tmp.replace(self.samples_path)
 
     def close(self) -> None:
         if self._tb is not None:

@@ -35,7 +35,10 @@ Acceptance term (`acceptance`, dense loss only). Speculative sampling accepts a 
 the draft q with probability alpha = sum_v min(p_v, q_v) = 1 - TV(p, q), which the soft CE only
 raises indirectly (it weighs every token by p, also those where q already covers p). `tv` adds
 acceptance_weight * (1 - alpha) per counted position, `lk` acceptance_weight * -log max(alpha,
-1e-6), which pushes hardest where acceptance is lowest. p is the CE's target: on a pruned
+1e-6), which pushes hardest where acceptance is lowest; `hybrid` replaces the row's soft CE by
+lambda CE + (1 - lambda)(1 - alpha), lambda = exp(-eta alpha) held constant in the backward, eta =
+acceptance_weight: the CE's steady gradients where acceptance is low, acceptance itself where it
+is high (the LK losses' adaptive mix of KL and TV). p is the CE's target: on a pruned
 vocabulary, restricted and renormalised. The gradient w.r.t. the draft logits of -alpha is
 -q_j ([q_j < p_j] - A), A = sum_{v: q_v < p_v} q_v (a tie q_j = p_j counts as q_j >= p_j: min is
 then p_j, constant in z); -log alpha divides it by alpha. Both need the whole p, so the term is
@@ -82,6 +85,7 @@ TTT cache), and the backward holds one step's activations at a time.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -102,7 +106,7 @@ ALPHA_FLOOR = 1e-6
 
 
 def check_acceptance(kind: str | None) -> None:
-    """Refuse an acceptance term other than null, tv or lk (the chunked maths treats any non-tv as lk)."""
+    """Refuse an acceptance term other than null, tv, lk or hybrid (the chunked maths treats any other as lk)."""
     if kind is not None and kind not in ACCEPTANCE_KINDS:
         raise ValueError(f"acceptance={kind!r}: one of {', '.join(ACCEPTANCE_KINDS)} or null")
 
@@ -114,11 +118,15 @@ class ObjectiveConfig:
     chunk_bytes: int           # bytes of one [chunk, V] fp32 logits block
     target_topk: int | None = None   # train final-state batches on the verifier's top-k (module docstring)
     target_cache_bytes: int = 0      # at most this many bytes of target probabilities kept per micro-batch
-    acceptance: str | None = None    # acceptance term added to the dense loss: None | "tv" | "lk"
-    acceptance_weight: float = 1.0   # its weight per counted position
+    acceptance: str | None = None    # acceptance term of the dense loss: None | "tv" | "lk" | "hybrid"
+    acceptance_weight: float = 1.0   # its weight per counted position (hybrid: eta)
     # Each TTT step's layer forward under torch.utils.checkpoint (model/chain.py run_step): the
     # backward recomputes it, so only the steps' inputs stay saved. Same loss and gradients.
     recompute: bool = False
+    # Training only: gaussian noise of this many times each aux state's RMS (per token) added to the
+    # aux states, so the draft learns from states a little off the ones stored (at serving time it
+    # reads the verifier's, but after its first draft its own inputs drift). 0: none.
+    aux_noise: float = 0.0
 
     def __post_init__(self) -> None:
         if self.acceptance is None:
@@ -281,7 +289,12 @@ class ChunkedSoftCE(torch.autograd.Function):
             correct[c:c + chunk] = (keep[pred] if keep is not None else pred) == top
             if acceptance is not None:
                 row_loss, alpha[c:c + chunk] = _ce_and_alpha_(p, z, blocks.accept[:z.shape[0]])
-                row_loss += acceptance_weight * _acceptance_term(alpha[c:c + chunk], acceptance)
+                a = alpha[c:c + chunk]
+                if acceptance == "hybrid":
+                    lam = _hybrid_lambda(a, acceptance_weight)
+                    row_loss = lam * row_loss + (1 - lam) * (1 - a)
+                else:
+                    row_loss += acceptance_weight * _acceptance_term(a, acceptance)
                 loss += row_loss.sum().double()
                 continue
             # -sum p log q = lse(z) - sum p z   (p sums to 1)
@@ -316,7 +329,10 @@ class ChunkedSoftCE(torch.autograd.Function):
             else:
                 q = softmax_(blocks.logits(blocks.draft, x, head))                    # [c, Vd]
                 d_alpha = _acceptance_grad_(q, p, blocks.accept[:q.shape[0]])        # [c, Vd] d(-alpha)/dz
-                dz = q.sub_(p).addcmul_(d_alpha, scale[c:c + chunk, None]).mul_(g)
+                dz = q.sub_(p)
+                if acceptance == "hybrid":                                           # lambda is held constant
+                    dz.mul_(_hybrid_lambda(alpha[c:c + chunk], ctx.acceptance_weight)[:, None])
+                dz.addcmul_(d_alpha, scale[c:c + chunk, None]).mul_(g)
             _accumulate_grads(blocks, dz, x, head, grad_x[c:c + chunk] if want_x else None, grad_w)
         return grad_x, None if grad_w is None else grad_w.to(head.dtype), None, None, None, None, None, None, None, None
 
@@ -343,11 +359,19 @@ def _acceptance_term(alpha: Tensor, kind: str) -> Tensor:
     return 1 - alpha if kind == "tv" else -alpha.clamp(min=ALPHA_FLOOR).log()
 
 
+def _hybrid_lambda(alpha: Tensor, eta: float) -> Tensor:
+    """[c] -> [c] the hybrid's weight of the soft CE, exp(-eta alpha): the CE's steady gradients
+    while acceptance is low, the acceptance itself (TV) as it grows."""
+    return torch.exp(-eta * alpha)
+
+
 def _acceptance_scale(alpha: Tensor, kind: str, weight: float) -> Tensor:
     """[N] -> [N] c_n: d(weight * term) / d(-alpha) per row; lk's is 0 below the floor, where the
-    clamped term is constant."""
+    clamped term is constant; the hybrid's TV weighs 1 - lambda."""
     if kind == "tv":
         return torch.full_like(alpha, weight)
+    if kind == "hybrid":
+        return 1 - _hybrid_lambda(alpha, weight)
     return torch.where(alpha >= ALPHA_FLOOR, weight / alpha.clamp(min=ALPHA_FLOOR), torch.zeros_like(alpha))
 
 
@@ -526,6 +550,13 @@ def topk_cross_entropy(normed: Tensor, head: Tensor, target_ids: Tensor, target_
 
 
 # ---- the module DeepSpeed trains -------------------------------------------------------------
+def noisy_aux(aux: Tensor, num_aux: int, scale: float) -> Tensor:
+    """aux [B, T, n_aux*H] plus normal noise of `scale` x each aux state's RMS at its token."""
+    states = aux.unflatten(-1, (num_aux, -1)).float()                       # [B, T, n_aux, H]
+    rms = states.pow(2).mean(-1, keepdim=True).sqrt()
+    return (states + scale * rms * torch.randn_like(states)).flatten(-2).to(aux.dtype)
+
+
 class Eagle3Objective(nn.Module):
     """The draft plus its frozen target head; forward(batch, steps) -> ObjectiveOutput.
 
@@ -595,6 +626,8 @@ class Eagle3Objective(nn.Module):
         steps = steps or self.cfg.steps
         draft = self.draft
         dtype = draft.fc.weight.dtype
+        if self.training and self.cfg.aux_noise:
+            batch = dataclasses.replace(batch, aux=noisy_aux(batch.aux, draft.config.num_aux, self.cfg.aux_noise))
         keep = None if draft.d2t is None else target_ids_of(draft.d2t)
         topk = batch.topk                                                    # top-k targets instead
         if topk and self.cfg.acceptance is not None:

@@ -4,6 +4,7 @@ carries so that it exports (or resumes) from its own folder alone:
     <run>/                         Hydra's output dir (rank 0's, shared with every rank)
         .hydra/config.yaml         the run's composed config, written by Hydra
         metrics.jsonl              one JSON line per logged step (train/metrics.py)
+        heldout_samples.json       the latest held-out evaluation's sums per sample (train/metrics.py)
         tensorboard/               the same numbers as TensorBoard scalars
         draft_config.json          the draft's config.json (model.checkpoint.draft_config_json)
         vocab.safetensors          d2t of a pruned draft vocabulary (absent for the full one)
@@ -34,6 +35,7 @@ from model.verifier import verifier_dir
 from train.checkpoints import checkpoint_marker, resolve_resume, save_checkpoint, verified_checkpoint
 
 METRICS = "metrics.jsonl"
+HELDOUT_SAMPLES = "heldout_samples.json"
 TENSORBOARD = "tensorboard"
 DRAFT_CONFIG = "draft_config.json"
 VOCAB = "vocab.safetensors"
@@ -51,6 +53,7 @@ class RunFolder:
 
     root: Path
     metrics: Path = field(init=False)
+    heldout_samples: Path = field(init=False)
     tensorboard: Path = field(init=False)
     draft_config: Path = field(init=False)
     vocab: Path = field(init=False)
@@ -61,7 +64,7 @@ class RunFolder:
     hydra_config: Path = field(init=False)
 
     def __post_init__(self) -> None:
-        layout = {"metrics": METRICS, "tensorboard": TENSORBOARD, "draft_config": DRAFT_CONFIG,
+        layout = {"metrics": METRICS, "heldout_samples": HELDOUT_SAMPLES, "tensorboard": TENSORBOARD, "draft_config": DRAFT_CONFIG,
                   "vocab": VOCAB, "checkpoints": CHECKPOINTS, "export_dir": EXPORT_DIR,
                   "summary": SUMMARY, "follow": FOLLOW, "hydra_config": HYDRA_CONFIG}
         for name, relative in layout.items():
@@ -90,9 +93,6 @@ class RunFolder:
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         self.summary.write_text(json.dumps(summary, indent=2, default=str) + "\n")
-
-    def read_summary(self) -> dict[str, Any] | None:
-        return json.loads(self.summary.read_text()) if self.summary.exists() else None
 
     def trained_verifier(self) -> Path | None:
         """The verifier folder the run was trained against, from the config Hydra saved in it."""
@@ -133,8 +133,3 @@ def checkpoint_draft(folder: Path) -> CheckpointDraft:
                                     f"{run.root} that would hold it has none either")
     d2t = load_file(str(vocab))["d2t"] if vocab.exists() else None
     return CheckpointDraft(draft_config_from_json(json.loads(config.read_text()), config), d2t, verifier)
-
-
-def run_summary(draft_dir: Path) -> dict[str, Any] | None:
-    """The summary of the training run that exported `draft_dir`, when it is a run's draft folder."""
-    return RunFolder(Path(draft_dir).parent).read_summary()
