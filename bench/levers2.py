@@ -65,6 +65,11 @@ RUNGS = [
     Rung("lr2e-3", "base", ("train.lr=2.0e-3",), "lr 2e-3"),
     Rung("min-lr0", "base", ("train.min_lr_ratio=0.0",), "cosine to 0 (not 0.1 x lr)"),
     Rung("aux-noise", "base", ("train.aux_noise=0.05",), "gaussian noise on the aux states, 0.05 of their RMS"),
+    Rung("clip1", "base", ("train.grad_clip=1.0",), "gradient norm clipped at 1.0 (not 0.5)"),
+    Rung("clip4", "base", ("train.grad_clip=4.0",), "gradient norm clipped at 4.0"),
+    Rung("warmup5", "base", ("train.warmup_steps=5",), "5 warm-up steps (not 20)"),
+    Rung("lr3e-3", "base", ("train.lr=3.0e-3",), "lr 3e-3"),
+    Rung("lr5e-3", "base", ("train.lr=5.0e-3",), "lr 5e-3"),
 ]
 BY_NAME = {r.name: r for r in RUNGS}
 

@@ -76,7 +76,7 @@ def training_facts(cfg: DictConfig, summary: dict[str, Any]) -> TrainingFacts:
     overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else None
     command = "python -m train " + " ".join(overrides) if overrides is not None else "(fit called in-process)"
     return TrainingFacts(
-        store_dir=str(cfg.store_dir), steps=int(summary["steps"]), world_size=int(summary["world_size"]),
+        store_dir=cfg.store_dir, steps=int(summary["steps"]), world_size=int(summary["world_size"]),
         zero_stage=int(summary["zero_stage"]), precision=summary["precision"], micro_batch=t.micro_batch,
         grad_accum=t.grad_accum, max_len=t.max_len, lr=t.lr, warmup=warmup, min_lr_ratio=t.min_lr_ratio,
         grad_clip=t.grad_clip, ttt_steps=t.ttt.steps, ttt_decay=t.ttt.decay, loss=loss,
