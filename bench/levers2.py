@@ -51,7 +51,8 @@ class Rung:
 
 
 RUNGS = [
-    Rung("base", None, (), "the defaults (conf/train.yaml, conf/draft/kimi_tiny.yaml)"),
+    # The recipe before this ladder, pinned (the defaults have since moved to what it kept).
+    Rung("base", None, ("train.lr=1.0e-3",), "the defaults before this ladder (lr 1e-3)"),
     Rung("lk", "base", ("train.loss.acceptance=lk",), "+ LK alpha: -log sum min(p, q), beside the soft CE (weight 1)"),
     Rung("lk-w4", "base", ("train.loss.acceptance=lk", "train.loss.acceptance_weight=4.0"),
          "+ LK alpha at weight 4 (mostly LK)"),
@@ -70,6 +71,11 @@ RUNGS = [
     Rung("warmup5", "base", ("train.warmup_steps=5",), "5 warm-up steps (not 20)"),
     Rung("lr3e-3", "base", ("train.lr=3.0e-3",), "lr 3e-3"),
     Rung("lr5e-3", "base", ("train.lr=5.0e-3",), "lr 5e-3"),
+    # On the lr that paid: the levers that might add to it.
+    Rung("lr3e-3-lk-lambda", "lr3e-3", ("train.loss.acceptance=hybrid", "train.loss.acceptance_weight=3.0"),
+         "lr 3e-3 + LK lambda (eta 3)"),
+    Rung("lr3e-3-warmup5", "lr3e-3", ("train.warmup_steps=5",), "lr 3e-3 + 5 warm-up steps"),
+    Rung("lr3e-3-aux-noise", "lr3e-3", ("train.aux_noise=0.05",), "lr 3e-3 + aux-state noise 0.05"),
 ]
 BY_NAME = {r.name: r for r in RUNGS}
 
