@@ -299,10 +299,15 @@ class Eagle3Draft(nn.Module):
 
     @torch.no_grad()
     def load_verifier_embedding(self, verifier: Verifier | Path) -> None:
-        """Only the embedding (for a trained draft whose norm and lm_head come from its checkpoint)."""
+        """Only the embedding (for a trained draft whose norm and lm_head come from its checkpoint);
+        a draft made on the meta device (train/export.py draft_from_state) takes the tensor itself."""
         from model.verifier_handle import Verifier
 
-        self.embed_tokens.copy_(Verifier.of(verifier).embedding())
+        embedding = Verifier.of(verifier).embedding(self.embed_tokens.dtype)
+        if self.embed_tokens.is_meta:
+            self.embed_tokens = embedding
+        else:
+            self.embed_tokens.copy_(embedding)
 
     # ---- forward pieces -------------------------------------------------------------------
     def project_aux(self, aux: Tensor) -> Tensor:

@@ -133,6 +133,8 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """positions: [..., T] int -> cos, sin: [..., T, 1, rotary_dim/2] fp32 (head axis for broadcast)."""
+        if self._inv_freq.is_meta:    # made on the meta device, weights assigned later: derive them now
+            self._inv_freq = inv_freq(self.spec)
         if self._inv_freq.device != positions.device:
             self._inv_freq = self._inv_freq.to(positions.device)
         inv = self._inv_freq

@@ -31,7 +31,7 @@ from train.batches import SplitSizes, SplitTooSmallError, StoreSplit, check_spli
 from train.checkpoints import COMPLETE, complete_checkpoints
 from train.deepspeed_setup import precision_of
 from train.distributed import NonFiniteLossError
-from train.export import consolidated_checkpoint_state
+from train.export import consolidated_checkpoint_state, draft_from_state
 from train.metrics import read_jsonl
 from train.objective import Eagle3Objective, ObjectiveOutput
 
@@ -173,6 +173,14 @@ def test_export_loads_back_with_the_trained_weights(zero_runs: dict[str, Path], 
     assert facts.steps == STEPS and facts.zero_stage == int(stage[-1]) and facts.heldout_accept_length > 1
     assert f"{STEPS} optimizer steps" in (run / "draft" / "README.md").read_text()
     assert TrainingFacts.read(run / "again") is None
+    # A draft made from the checkpoint's state alone, with the verifier's head and embedding.
+    rebuilt = draft_from_state(draft.config, trained, None, draft_verifier_dir)
+    rebuilt.load_verifier_embedding(draft_verifier_dir)
+    assert not rebuilt.embed_tokens.is_meta
+    assert torch.equal(rebuilt.embed_tokens, Verifier.open(draft_verifier_dir).embedding(torch.float32))
+    ids = torch.arange(8)[None]
+    step = rebuilt.step(ids, torch.zeros(1, 8, rebuilt.config.hidden_size), ids)      # it runs
+    assert torch.isfinite(step.logits).all()
 
 
 def test_export_finds_the_runs_verifier_in_its_saved_config(tmp_path: Path, draft_verifier_dir: Path) -> None:
