@@ -179,7 +179,7 @@ def test_export_loads_back_with_the_trained_weights(zero_runs: dict[str, Path], 
     assert not rebuilt.embed_tokens.is_meta
     assert torch.equal(rebuilt.embed_tokens, Verifier.open(draft_verifier_dir).embedding(torch.float32))
     ids = torch.arange(8)[None]
-    step = rebuilt.step(ids, torch.zeros(1, 8, rebuilt.config.hidden_size), ids)      # it runs
+    step = rebuilt.float().step(ids, torch.zeros(1, 8, rebuilt.config.hidden_size), ids)   # it runs
     assert torch.isfinite(step.logits).all()
 
 
