@@ -6,7 +6,7 @@
 
 The peer setting is bench/recipe.py's (PEER: 100 optimizer steps of 2 packed rows of up to 2,048
 tokens, TTT 4, 4 drafts evaluated, 1 data worker) on the store `make dump` writes, whose held-out
-set is one part each of 433 conversations (data/heldout_set.py). Every run is `python -m train`
+set is one part per held-out conversation (data/heldout_set.py, conf/dump.yaml heldout_set). Every run is `python -m train`
 with PEER, the rung's overrides and `seed=<s>`, in runs/bench-levers2/<rung>-s<seed> (its command in
 <rung>-s<seed>.cmd beside it); a run folder with a summary.json is read back, not retrained.
 
