@@ -6,8 +6,9 @@ composed config must satisfy before any work starts.
     compose_draft_conf(draft)       cfg.draft of `python -m train draft=<draft>`, with its verifier
     check(cfg, choices)             refuse a config that cannot run: keys no schema knows (added
                                     with `+key=`), a draft written for another verifier, a value
-                                    that breaks a rule of config/validate.py (a choice, a bound,
-                                    an either/or between keys)
+                                    that breaks a rule of config/validate.py (a bound, an
+                                    either/or between keys); a choice outside its config/choices.py
+                                    type is refused earlier, by the composition itself
     check_entry(cfg, prog)          check() in a running Hydra job; a refusal exits with status 2
     recorded(group, record)         a group's config as an older run recorded it (a store's
                                     dump config, the verifier's training facts), typed again
@@ -53,10 +54,16 @@ def compose_config(name: str, overrides: list[str] | None = None, checked: bool 
     checked (the default): refused as the entry point would refuse it (ConfigError)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
+    from hydra.errors import ConfigCompositionException
 
     register()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = hydra_compose(config_name=name, overrides=overrides or [], return_hydra_config=True)
+        try:
+            cfg = hydra_compose(config_name=name, overrides=overrides or [], return_hydra_config=True)
+        except ConfigCompositionException as error:
+            # A value its type refuses (a choice, config/choices.py): Hydra's message names the
+            # override, its cause the key and the values allowed.
+            raise ConfigError(f"config refused: {error}: {error.__cause__}") from error
     choices = dict(cfg.hydra.runtime.choices)
     with _open(cfg):
         del cfg["hydra"]

@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-
+from config.choices import (Attention, AuxCapture, AuxConvention, AuxEncoding, DataFormat, FinalEncoding,
+                            FinalRows, OnError)
 
 @dataclass
 class VerifierConf:
@@ -22,8 +23,8 @@ class VerifierConf:
     name: str
     path: str
     aux_layer_ids: List[int]
-    aux_convention: str
-    aux_capture: str
+    aux_convention: AuxConvention
+    aux_capture: AuxCapture
     final_norm_module: Optional[str]
     chat_format: str
     trust_remote_code: bool
@@ -65,12 +66,12 @@ class DraftConf(DraftLayerShape):
     target_num_hidden_layers: int
     target_model_type: str
     aux_layer_ids: List[int]
-    aux_convention: str
-    aux_capture: str
+    aux_convention: AuxConvention
+    aux_capture: AuxCapture
     fc_norm: Optional[bool]
     norm_before_residual: Optional[bool]
     norm_output: Optional[bool]
-    attention: str
+    attention: Attention
     train_head: bool
     train_norm: bool
 
@@ -88,13 +89,13 @@ class DataConf:
     """conf/data/<source>.yaml: where conversations come from and how they split."""
 
     name: str
-    format: str
+    format: DataFormat
     path: Optional[str]
     category: str
     heldout_fraction: float
     split_seed: int
     max_samples: Optional[int]
-    on_error: str
+    on_error: OnError
     require_answer: bool
     # {pattern: <regex>, share: <fraction>} or null. Untyped: OmegaConf cannot merge a command-line
     # table (data.select={pattern: x, share: 0.5}) onto a null typed node; data/conversations.py
@@ -139,9 +140,9 @@ class StoreConf:
     """conf/store/<preset>.yaml: how hidden states are encoded and chunked."""
 
     mode: str
-    aux: str
-    final: str
-    final_rows: str
+    aux: AuxEncoding
+    final: FinalEncoding
+    final_rows: FinalRows
     topk: int
     fp4_block: int
     compressor: CompressorConf

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 
+from config.choices import Acceptance, DraftSample, ExportDtype, OverLong, Precision, Split, Turns
 from config.groups import (CaptureConf, DataConf, DeepSpeedConf, DraftConf, EngineConf, SplitConf, StoreConf,
                            VerifierConf)
 
@@ -22,7 +23,7 @@ from config.groups import (CaptureConf, DataConf, DeepSpeedConf, DraftConf, Engi
 @dataclass
 class RegenerateConf:
     enabled: bool
-    turns: str
+    turns: Turns
     temperature: float
     top_p: float
     max_tokens: int
@@ -43,9 +44,9 @@ class DumpJob:
     store: StoreConf
     capture: CaptureConf
     output_dir: str
-    split: str
+    split: Split
     max_len: int
-    over_long: str
+    over_long: OverLong
     batch_size: int
     rank: Optional[int]
     world_size: Optional[int]
@@ -69,7 +70,7 @@ class LossConf:
     chunk_bytes: int
     target_cache_bytes: int
     target_topk: Optional[int]
-    acceptance: Optional[str]
+    acceptance: Optional[Acceptance]
     acceptance_weight: float
 
 
@@ -89,7 +90,7 @@ class TrainConf:
     steps: Optional[int]
     train_fraction: float
     epochs: Optional[float]
-    precision: str
+    precision: Precision
     betas: List[float]
     eps: float
     weight_decay: float
@@ -112,7 +113,7 @@ class TrainConf:
     init_from: Optional[str]
     init_from_verifier: Optional[int]
     export: bool
-    export_dtype: str
+    export_dtype: ExportDtype
 
 
 @dataclass
@@ -151,7 +152,7 @@ class PlanJob(TrainJob):
 @dataclass
 class CategoryConf:
     benchmark: str
-    split: str
+    split: Split
     data: DataConf
 
 
@@ -182,7 +183,7 @@ class EvalJob:
     seed: int
     categories: Dict[str, CategoryConf]
     sampled: SampledConf
-    draft_sample: str
+    draft_sample: DraftSample
     simulate: SimulateConf
     card: bool
     plot: bool

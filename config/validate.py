@@ -1,10 +1,9 @@
-"""The rules a composed config must satisfy that its types cannot say: a choice among names, a bound,
-an either/or between two keys. `config.check` runs them beside the unknown-key check, at composition
+"""The rules a composed config must satisfy that its types cannot say: a bound, an either/or between
+two keys, a setting that only some others allow. (A choice among names is a type:
+config/choices.py, refused by OmegaConf at composition.) `config.check` runs them beside the unknown-key check, at composition
 and in every entry point before any work, so a setting that would stop a run at its first step, or
 after its engine has started and its verifier head is loaded, is refused at once, every key at
 fault named in one message.
-
-The choices are defined here once; the code that acts on a choice imports its tuple from here.
 """
 from __future__ import annotations
 
@@ -13,13 +12,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-TURNS = ("all", "first")                        # regenerate.turns
-SPLITS = ("train", "heldout", "all")            # the dump's split (conf/data's held-out rule)
-OVER_LONG = ("truncate", "drop")                # over_long: a sample past max_len
-PRECISIONS = ("auto", "bf16", "fp32")           # train.precision
-EXPORT_DTYPES = ("bfloat16", "float16", "float32")   # train.export_dtype (torch dtype names)
-ACCEPTANCE_KINDS = ("tv", "lk", "hybrid")                 # train.loss.acceptance (or null)
-DRAFT_SAMPLES = ("auto", "greedy", "probabilistic")  # the evaluation's draft_sample
+from config.choices import Acceptance, names
+
 
 
 def problems(cfg: DictConfig) -> list[str]:
@@ -36,8 +30,7 @@ def problems(cfg: DictConfig) -> list[str]:
 
 def dump_problems(cfg: DictConfig) -> list[str]:
     r = cfg.regenerate
-    found = _choices(cfg, {"split": SPLITS, "over_long": OVER_LONG}) + _choices(r, {"turns": TURNS}, "regenerate.")
-    found += _at_least(cfg, {"max_len": 1, "batch_size": 1}) + _at_least(cfg.capture, {"max_batch_tokens": 1}, "capture.")
+    found = _at_least(cfg, {"max_len": 1, "batch_size": 1}) + _at_least(cfg.capture, {"max_batch_tokens": 1}, "capture.")
     found += _at_least(cfg.heldout_set, {"conversations": 0, "max_tokens": 1}, "heldout_set.")
     if r.enabled:
         found += _at_least(r, {"max_tokens": 1}, "regenerate.")
@@ -50,8 +43,7 @@ def dump_problems(cfg: DictConfig) -> list[str]:
 
 def train_problems(cfg: DictConfig) -> list[str]:
     t, loss = cfg.train, cfg.train.loss
-    found = _choices(t, {"precision": PRECISIONS, "export_dtype": EXPORT_DTYPES}, "train.")
-    found += _at_least(t, {"micro_batch": 1, "grad_accum": 1, "max_len": 1, "follow_window": 1,
+    found = _at_least(t, {"micro_batch": 1, "grad_accum": 1, "max_len": 1, "follow_window": 1,
                            "pad_multiple": 1, "sequence_parallel": 1}, "train.")
     found += _at_least(t, {"log_every": 0, "checkpoint_every": 0, "num_workers": 0}, "train.")
     found += _at_least(cfg.eval, {"every": 0}, "eval.")
@@ -85,8 +77,8 @@ def acceptance_problems(kind: str | None, weight: float, target_topk: int | None
     """The acceptance term's settings (also train/objective.py's ObjectiveConfig, built by hand in
     tests and tools): a known kind, a finite weight >= 0, and the whole distribution to act on."""
     found = []
-    if kind is not None and kind not in ACCEPTANCE_KINDS:
-        found.append(f"{prefix}acceptance={kind!r} (one of {', '.join(ACCEPTANCE_KINDS)}, or null)")
+    if kind is not None and kind not in names(Acceptance):
+        found.append(f"{prefix}acceptance={kind!r} (one of {', '.join(names(Acceptance))}, or null)")
     if not (math.isfinite(weight) and weight >= 0):
         found.append(f"{prefix}acceptance_weight={weight} (a finite weight >= 0)")
     if kind is not None and target_topk:
@@ -96,14 +88,8 @@ def acceptance_problems(kind: str | None, weight: float, target_topk: int | None
 
 
 def eval_problems(cfg: DictConfig) -> list[str]:
-    found = _choices(cfg, {"draft_sample": DRAFT_SAMPLES})
-    found += _at_least(cfg, {"num_speculative_tokens": 1, "num_prompts": 1, "max_tokens": 1, "max_len": 1})
+    found = _at_least(cfg, {"num_speculative_tokens": 1, "num_prompts": 1, "max_tokens": 1, "max_len": 1})
     return found
-
-
-def _choices(node: DictConfig, allowed: dict[str, tuple[str, ...]], prefix: str = "") -> list[str]:
-    return [f"{prefix}{key}={node[key]!r} (one of {', '.join(names)})" for key, names in allowed.items()
-            if node[key] not in names]
 
 
 def _at_least(node: DictConfig, floors: dict[str, Any], prefix: str = "") -> list[str]:

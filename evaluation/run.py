@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from config.validate import DRAFT_SAMPLES
+from config.choices import DraftSample, names
 from data.conversations import Conversation, load_conversations
 from data.template import as_chat, prompt_ids
 from infra import resolve
@@ -196,8 +196,8 @@ def simulate_all(cfg: DictConfig, stores: dict[str, dict[str, Path]], verifier: 
 def proposal_method(draft_sample: str, draft_dir: Path) -> str:
     """cfg.draft_sample as vLLM takes it: auto is probabilistic for a full-vocabulary draft and
     greedy for a pruned one (vLLM refuses probabilistic proposals with a d2t map)."""
-    if draft_sample not in DRAFT_SAMPLES:
-        raise ValueError(f"draft_sample {draft_sample!r}: use one of {', '.join(DRAFT_SAMPLES)}")
+    if draft_sample not in names(DraftSample):
+        raise ValueError(f"draft_sample {draft_sample!r}: use one of {', '.join(names(DraftSample))}")
     if draft_sample != "auto":
         return draft_sample
     config = json.loads((draft_dir / "config.json").read_text())

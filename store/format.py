@@ -113,15 +113,16 @@ import zarr
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
+from config.choices import AuxEncoding, FinalEncoding, FinalRows, names
 from infra import failpoint
 
 FORMAT_VERSION = 3
 LEGACY_VERSION = 1  # read, never written (the module's docstring)
 READ_VERSIONS = (1, 2, 3)
 
-AUX_ENCODINGS = ("bf16", "fp32", "fp8", "fp4")
-FINAL_ENCODINGS = ("bf16", "fp32", "topk")
-FINAL_ROWS = ("all", "loss")
+AUX_ENCODINGS = names(AuxEncoding)
+FINAL_ENCODINGS = names(FinalEncoding)
+FINAL_ROWS = names(FinalRows)
 # The presets of conf/store; `mode` is their label, the encodings above decide the bytes.
 MODES = ("lossless", "fp8", "fp4", "compact", "fp32")
 # Formats 1 and 2 named one mode for both hidden states: (aux, final, final_rows) it meant.

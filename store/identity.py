@@ -13,6 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from config.choices import AuxCapture, names
 from store.durable import _read_checked_json
 from store.format import (AUX_ENCODINGS, FINAL_ENCODINGS, FORMAT_VERSION, READ_VERSIONS,
                           STORE_META, StorageSettings, _plain, logical_dtypes)
@@ -20,12 +21,8 @@ from store.sealed import fsync_dir, write_sealed_json
 
 logger = logging.getLogger(__name__)
 
-# What the hidden state of an aux id is (conf/verifier `aux_capture`): residual_stream, the
-# DeepSeek-V3 hidden + residual entering layer k (Kimi-K2, kimi-tiny); for Kimi-K3, whose blocks
-# keep a prefix sum of their layers' outputs, prefix_only (that prefix sum: vLLM's default, what
-# EAGLE-3 drafts are served with) or attn_res_stream (the AttnRes-mixed stream). A draft trained
-# on one and served with another loses most of its acceptance, so a store records it.
-AUX_CAPTURES = ("residual_stream", "prefix_only", "attn_res_stream")
+# What the hidden state of an aux id is (config/choices.py AuxCapture); a store records it.
+AUX_CAPTURES = names(AuxCapture)
 # Stores written before store.json named the capture were all of DeepSeek-V3 verifiers.
 LEGACY_AUX_CAPTURE = "residual_stream"
 

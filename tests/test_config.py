@@ -123,21 +123,38 @@ def test_auto_proposal_is_probabilistic_unless_the_vocabulary_is_pruned(tmp_path
         proposal_method("typical", tmp_path)
 
 
+@pytest.mark.parametrize(("stage", "override", "choices"), [
+    ("dump", "regenerate.turns=every", "[all, first]"),
+    ("dump", "split=test", "[train, heldout, all]"),
+    ("dump", "over_long=cut", "[truncate, drop]"),
+    ("dump", "data.on_error=warn", "[raise, skip]"),
+    ("dump", "store.aux=int4", "[bf16, fp32, fp8, fp4]"),
+    ("train", "train.loss.acceptance=kl", "[tv, lk, hybrid]"),
+    ("train", "train.precision=fp16", "[auto, bf16, fp32]"),
+    ("train", "verifier.aux_capture=mixed", "[residual_stream, prefix_only, attn_res_stream]"),
+    ("plan", "train.export_dtype=int8", "[bfloat16, float16, float32]"),
+    ("eval", "draft_sample=best", "[auto, greedy, probabilistic]"),
+])
+def test_a_choice_outside_its_type_is_refused_at_composition(stage: str, override: str, choices: str) -> None:
+    """config/choices.py: OmegaConf refuses the value, naming the key and the values allowed."""
+    with pytest.raises(ConfigError) as refused:
+        compose_config(stage, [override])
+    key = override.split("=")[0]
+    assert key in str(refused.value) and choices in str(refused.value), str(refused.value)
+
+
 @pytest.mark.parametrize(("stage", "overrides", "named"), [
-    ("dump", ["regenerate.turns=every", "split=test", "max_len=0", "regenerate.top_p=0"],
-     ["regenerate.turns='every' (one of all, first)", "split='test'", "max_len=0 (at least 1)", "regenerate.top_p=0"]),
-    ("train", ["train.grad_accum=0", "train.checkpoint_every=-1", "train.warmup_ratio=0.1", "train.loss.acceptance=kl"],
+    ("dump", ["max_len=0", "regenerate.top_p=0"], ["max_len=0 (at least 1)", "regenerate.top_p=0"]),
+    ("train", ["train.grad_accum=0", "train.checkpoint_every=-1", "train.warmup_ratio=0.1"],
      ["train.grad_accum=0 (at least 1)", "train.checkpoint_every=-1 (at least 0)",
-      "train.warmup_steps=20 and train.warmup_ratio=0.1: set exactly one", "train.loss.acceptance='kl'"]),
-    ("train", ["train.loss.acceptance=tv", "train.loss.target_topk=8", "train.precision=fp16"],
-     ["needs the verifier's whole distribution", "train.precision='fp16' (one of auto, bf16, fp32)"]),
+      "train.warmup_steps=20 and train.warmup_ratio=0.1: set exactly one"]),
+    ("train", ["train.loss.acceptance=tv", "train.loss.target_topk=8"], ["needs the verifier's whole distribution"]),
     ("train", ["train.aux_noise=-0.1", "train.init_from_verifier=-1"],
      ["train.aux_noise=-0.1", "train.init_from_verifier=-1"]),
     ("dump", ["heldout_set.max_tokens=0", "heldout_set.conversations=-2"],
      ["heldout_set.max_tokens=0 (at least 1)", "heldout_set.conversations=-2 (at least 0)"]),
-    ("plan", ["train.export_dtype=int8"], ["train.export_dtype='int8'"]),
-    ("eval", ["draft_sample=best", "num_speculative_tokens=0"],
-     ["draft_sample='best' (one of auto, greedy, probabilistic)", "num_speculative_tokens=0 (at least 1)"]),
+    ("eval", ["num_speculative_tokens=0", "num_prompts=0"],
+     ["num_speculative_tokens=0 (at least 1)", "num_prompts=0 (at least 1)"]),
 ])
 def test_rules_across_keys_are_refused_at_composition(stage: str, overrides: list[str], named: list[str]) -> None:
     """config/validate.py's rules run with the composition: every broken one named in one message."""
@@ -147,16 +164,20 @@ def test_rules_across_keys_are_refused_at_composition(stage: str, overrides: lis
         assert part in str(refused.value), str(refused.value)
 
 
-def test_an_entry_point_refuses_a_broken_rule_before_any_work(tmp_path) -> None:
-    """`python -m dump regenerate.turns=every`: status 2 and the rule, before data or an engine."""
+@pytest.mark.parametrize(("override", "status", "named"), [
+    ("regenerate.turns=every", 1, "expected one of [all, first]"),   # the type: Hydra's refusal
+    ("regenerate.top_p=0", 2, "(in (0, 1])"),     # a rule: config.check_entry
+])
+def test_an_entry_point_refuses_before_any_work(tmp_path, override: str, status: int, named: str) -> None:
+    """`python -m dump <override>`: refused with the key named, before data or an engine."""
     import subprocess
     import sys
 
     from infra import REPO_ROOT
 
-    done = subprocess.run([sys.executable, "-m", "dump", "regenerate.turns=every", f"output_dir={tmp_path / 'store'}",
+    done = subprocess.run([sys.executable, "-m", "dump", override, f"output_dir={tmp_path / 'store'}",
                            f"hydra.run.dir={tmp_path / 'hydra'}"], cwd=REPO_ROOT, capture_output=True, text=True,
                           timeout=120)
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert "regenerate.turns='every' (one of all, first)" in done.stderr
+    assert done.returncode == status, done.stderr[-2000:]
+    assert override.split("=")[0] in done.stderr and named in done.stderr, done.stderr[-2000:]
     assert not (tmp_path / "store").exists()

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from config.validate import PRECISIONS, warmup_problems
+from config.choices import Precision, names
+from config.validate import warmup_problems
 from infra import cpu_flags as read_cpu_flags
 from train.objective import Eagle3Objective
 
@@ -31,8 +32,8 @@ def precision_of(precision: str, device_type: str | None = None,
       lengths are padded to a grid (train.pad_multiple; free lengths grew 0.78 -> 2.25 GiB over 40
       steps; on a 256-token grid 1.0 GiB at step 20, 1.44-1.56 at 300).
     device_type: default, DeepSpeed's accelerator here."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"train.precision {precision!r}: use one of {', '.join(PRECISIONS)}")
+    if precision not in names(Precision):
+        raise ValueError(f"train.precision {precision!r}: use one of {', '.join(names(Precision))}")
     if precision != "auto":
         return precision
     if device_type is None:

@@ -92,7 +92,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from config.validate import ACCEPTANCE_KINDS, acceptance_problems
+from config.choices import Acceptance, names
+from config.validate import acceptance_problems
 from model.batch import Batch
 from model.chain import draft_chain, read_rows
 from model.draft import Eagle3Draft
@@ -107,8 +108,8 @@ ALPHA_FLOOR = 1e-6
 
 def check_acceptance(kind: str | None) -> None:
     """Refuse an acceptance term other than null, tv, lk or hybrid (the chunked maths treats any other as lk)."""
-    if kind is not None and kind not in ACCEPTANCE_KINDS:
-        raise ValueError(f"acceptance={kind!r}: one of {', '.join(ACCEPTANCE_KINDS)} or null")
+    if kind is not None and kind not in names(Acceptance):
+        raise ValueError(f"acceptance={kind!r}: one of {', '.join(names(Acceptance))} or null")
 
 
 @dataclass(frozen=True)
