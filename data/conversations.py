@@ -18,19 +18,19 @@ import json
 import logging
 import pathlib
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Literal
 
-from config.choices import OnError, Split, names
-from config.groups import DataConf
 from data.records import Origin, _Invalid, _Raw, _raw_records
 from data.split import is_held_out, split_key_for
 
 logger = logging.getLogger(__name__)
 
 Role = Literal["system", "user", "assistant"]
+OnError = Literal["raise", "skip"]
+Split = Literal["train", "heldout", "all"]
 
 # ShareGPT's "from" values, as found in the packaged ShareGPT V3 file (human, gpt, and a
 # few system, chatgpt, bing, bard, user); the assistant ones are answers of different
@@ -184,19 +184,19 @@ def read_humaneval(limit: int | None = None) -> Iterator[Conversation]:
 
 
 def load_conversations(
-    cfg: DataConf, split: Split | str, stats: ReadStats | None = None
+    cfg: Mapping[str, Any], split: Split, stats: ReadStats | None = None
 ) -> Iterator[Conversation]:
     """Conversations of one split of a `conf/data/*.yaml` source, capped at max_samples."""
-    if split not in names(Split):
-        raise ValueError(f"unknown split {split!r}: use {', '.join(names(Split))}")
-    format = cfg.format
+    if split not in ("train", "heldout", "all"):
+        raise ValueError(f"unknown split {split!r}: use train, heldout or all")
+    format = cfg["format"]
     if format == "humaneval":
         conversations = read_humaneval()
     else:
-        path = cfg.path if cfg.path is not None else _default_path(format)
-        conversations = read_conversations(path, format, cfg.on_error, stats, cfg.require_answer)
+        path = cfg["path"] if cfg["path"] is not None else _default_path(format)
+        conversations = read_conversations(path, format, cfg["on_error"], stats, cfg["require_answer"])
     split_key = split_key_for(format)
-    fraction, seed, category = cfg.heldout_fraction, cfg.split_seed, cfg.category
+    fraction, seed, category = cfg["heldout_fraction"], cfg["split_seed"], cfg["category"]
 
     def wanted(conversation: Conversation) -> bool:
         if split == "all":
@@ -205,10 +205,10 @@ def load_conversations(
         return held_out == (split == "heldout")
 
     chosen = (dataclasses.replace(c, category=category) for c in conversations if wanted(c))
-    select = cfg.select
+    select = cfg["select"]
     if select is not None:
-        chosen = select_share(chosen, select["pattern"], select["share"], cfg.max_samples)
-    return itertools.islice(chosen, cfg.max_samples)
+        chosen = select_share(chosen, select["pattern"], select["share"], cfg["max_samples"])
+    return itertools.islice(chosen, cfg["max_samples"])
 
 
 def first_user_text(conversation: Conversation) -> str:
@@ -281,8 +281,8 @@ def _read(
     stats: ReadStats | None,
     require_answer: bool = True,
 ) -> Iterator[Conversation]:
-    if on_error not in names(OnError):
-        raise ValueError(f"on_error must be one of {', '.join(names(OnError))}, got {on_error!r}")
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
     if not path.is_file():
         # Fail at the call, not at the first next(), so a wrong path is seen early.
         raise FileNotFoundError(f"no conversation file at {path}")

@@ -18,12 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
-from omegaconf import OmegaConf
-
-from config.choices import Split
-from config.groups import DataConf
 from data.conversations import Conversation, ReadStats, load_conversations, select_share
 from data.split import split_key_for
 
@@ -42,14 +39,14 @@ class HeldoutSet:
             raise ValueError(f"heldout_set.max_tokens is {self.max_tokens}: it must be positive")
 
 
-def dump_conversations(data: DataConf, split: Split, held_out: Callable[[str], bool],
+def dump_conversations(data: Mapping[str, Any], split: str, held_out: Callable[[str], bool],
                        heldout_set: HeldoutSet, stats: ReadStats | None = None) -> Iterator[Conversation]:
     """The conversations a dump of `data` (a conf/data node) writes, in a fixed order: the data's
     own, a held-out conversation by its first part only; then the first parts of further held-out
     conversations read past max_samples, picked with the data's select share, until
     `heldout_set.conversations` are held out. `held_out`: the trainer's predicate on sample ids
     (data/split.py held_out_by)."""
-    key = split_key_for(data.format)
+    key = split_key_for(data["format"])
     held: set[str] = set()          # conversations with a part in the held-out set
     for conversation in load_conversations(data, split, stats):
         if held_out(conversation.id):
@@ -58,19 +55,19 @@ def dump_conversations(data: DataConf, split: Split, held_out: Callable[[str], b
             held.add(key(conversation.id))
         yield conversation
     missing = heldout_set.conversations - len(held)
-    if missing <= 0 or data.max_samples is None:   # no cap: every held-out conversation is in
+    if missing <= 0 or data["max_samples"] is None:   # no cap: every held-out conversation is in
         return
     seen = set(held)
 
     def first_parts() -> Iterator[Conversation]:
         # The whole split in file order: what max_samples cut off comes after what it kept.
-        for conversation in load_conversations(OmegaConf.merge(data, {"max_samples": None, "select": None}), split):
+        for conversation in load_conversations({**data, "max_samples": None, "select": None}, split):
             k = key(conversation.id)
             if held_out(conversation.id) and k not in seen:
                 seen.add(k)
                 yield conversation
 
-    select = data.select
+    select = data["select"]
     if select is None:
         yield from itertools.islice(first_parts(), missing)
     else:

@@ -197,7 +197,7 @@ def run_dump(cfg: DictConfig, llm=None) -> dict[str, Any]:
     vdir = verifier_dir(cfg.verifier)
     tokenizer = Verifier.from_conf(cfg.verifier).tokenizer()
     heldout = trainer_heldout(cfg)
-    writer = open_writer(cfg.output_dir, cfg.verifier, cfg.store, OmegaConf.to_container(cfg, resolve=True),
+    writer = open_writer(cfg.output_dir, cfg.verifier, cfg.store, OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
                          cfg.rank, cfg.world_size, heldout)
     done = writer.done_sample_ids()
     read_stats = ReadStats()

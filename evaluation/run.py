@@ -139,8 +139,8 @@ def dump_texts(cfg: DictConfig, categories: list[Category], runs: dict[str, dict
         for cat in categories:
             for mode, run in runs[cat.name].items():
                 path = run_dir / "stores" / cat.name / mode
-                record = {"output_dir": str(path), "verifier": OmegaConf.to_container(cfg.verifier, resolve=True),
-                          "store": OmegaConf.to_container(cfg.store, resolve=True), "rank": 0, "world_size": 1,
+                record = {"output_dir": str(path), "verifier": OmegaConf.to_container(cfg.verifier, resolve=True, enum_to_str=True),
+                          "store": OmegaConf.to_container(cfg.store, resolve=True, enum_to_str=True), "rank": 0, "world_size": 1,
                           "eval": {"category": cat.name, "benchmark": cat.benchmark, "mode": mode,
                                    "draft_dir": cfg.draft_dir}}
                 writer = open_writer(path, cfg.verifier, cfg.store, record, rank=0, world_size=1)

@@ -101,7 +101,7 @@ class DraftConfig(DraftLayerShape):
 
         verifier: the verifier (or its folder), whose config.json gives bos/eos ids for the export.
         """
-        d = OmegaConf.to_container(draft, resolve=True) if isinstance(draft, DictConfig) else dict(draft)
+        d = OmegaConf.to_container(draft, resolve=True, enum_to_str=True) if isinstance(draft, DictConfig) else dict(draft)
         assert isinstance(d, dict)
         if verifier is not None:
             from model.verifier_handle import Verifier

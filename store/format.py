@@ -169,8 +169,9 @@ class StorageSettings:
         if missing:
             raise ValueError(f"storage settings lack {', '.join(missing)}: conf/store/*.yaml sets "
                              "them (mode is the preset's label, aux/final/final_rows the encodings)")
-        settings = cls(mode=values["mode"], aux=values["aux"], final=values["final"],
-                       final_rows=values["final_rows"],
+        # Plain names (a choice may come as its StrEnum member, whose repr would reach messages).
+        settings = cls(mode=str(values["mode"]), aux=str(values["aux"]), final=str(values["final"]),
+                       final_rows=str(values["final_rows"]),
                        # The codec's own keys only (conf/store's schema has every codec's, unset ones None).
                        compressor={k: v for k, v in values["compressor"].items() if v is not None},
                        target_chunk_bytes=values["target_chunk_bytes"], shard_bytes=values["shard_bytes"],
@@ -254,7 +255,7 @@ class StorageSettings:
 def _plain(value: Any) -> Any:
     """Config values (OmegaConf or plain) as JSON-ready dicts and lists."""
     if isinstance(value, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(value, resolve=True)
+        return OmegaConf.to_container(value, resolve=True, enum_to_str=True)
     return value
 
 

@@ -7,6 +7,7 @@ import logging
 import pathlib
 
 import pytest
+from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from data.conversations import (
@@ -384,9 +385,9 @@ def test_load_jsonl_config(tmp_path):
     assert len(list(load_conversations(cfg, "all"))) == 2
 
 
-def test_load_refuses_an_unknown_split(tmp_path):
-    cfg = compose_config("dump", ["data=sharegpt"]).data
-    cfg.path, cfg.heldout_fraction = str(SHAREGPT_FIXTURE), 0.0
+def test_load_accepts_a_plain_dict(tmp_path):
+    cfg = OmegaConf.to_container(compose_config("dump", ["data=sharegpt"]).data)
+    cfg.update(path=str(SHAREGPT_FIXTURE), heldout_fraction=0.0)
     assert [c.id for c in load_conversations(cfg, "train")] == ["good_0", "good_1", "good_2"]
     with pytest.raises(ValueError, match="unknown split"):
         load_conversations(cfg, "test")

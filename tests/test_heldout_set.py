@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from config import compose_config
-from config.groups import DataConf
 from data.heldout_set import HeldoutSet, dump_conversations
 from data.conversations import load_conversations
 from data.split import held_out_by, sharegpt_split_key
@@ -36,9 +35,9 @@ def _sharegpt(path: Path, conversations: int, parts: int) -> Path:
     return path
 
 
-def _data(path: Path, max_samples: int | None, select: dict | None = None) -> DataConf:
-    data = compose_config("dump", ["data=sharegpt"]).data
-    data.path, data.max_samples, data.select, data.heldout_fraction = str(path), max_samples, select, 0.0
+def _data(path: Path, max_samples: int | None, select: dict | None = None) -> dict:
+    data = dict(compose_config("dump", ["data=sharegpt"]).data)
+    data.update(path=str(path), max_samples=max_samples, select=select, heldout_fraction=0.0)
     return data
 
 

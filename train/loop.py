@@ -411,7 +411,7 @@ def fit(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                "train_tokens_per_s": trainer.tokens / trainer.seconds if trainer.seconds else None,
                "heldout": trainer.heldout, "exported": exported,
                "last_checkpoint": str(trainer.last_ckpt) if trainer.last_ckpt else None,
-               "config": OmegaConf.to_container(cfg, resolve=True)}
+               "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)}
     if trainer.rank == 0:
         trainer.run.write_summary(summary)
         if exported:
