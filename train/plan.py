@@ -455,14 +455,12 @@ def memory_plan(draft_cfg: DraftConfig, spec: PlanSpec, name: str = "") -> Memor
 def plan_config(overrides: list[str]) -> DictConfig:
     """conf/plan.yaml (conf/train.yaml plus `plan.world_size`, `plan.json`) with these overrides; a
     mistyped plan option is refused naming the ones there are."""
-    from hydra.errors import ConfigCompositionException
-
-    from config import compose_config
+    from config import ConfigError, compose_config
     from config.stages import PlanConf
 
     try:
         return compose_config("plan", overrides)
-    except ConfigCompositionException as error:
+    except ConfigError as error:
         if any(item.lstrip("+").startswith("plan.") for item in overrides):
             options = ", ".join(f"plan.{f.name}" for f in fields(PlanConf))
             raise SystemExit(f"python -m train plan: {error} (the plan options: {options})") from None
