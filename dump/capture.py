@@ -301,6 +301,20 @@ def _decoder(model: torch.nn.Module) -> torch.nn.Module:
     return language_model.model
 
 
+def pipeline_stage_refusal(model_name: str, aux_layer_ids: tuple[int, ...], layers: tuple[int, int],
+                           stage: tuple[int, int], relays_aux: bool) -> str | None:
+    """Why a pipeline stage holding layers [start, end) cannot capture these aux layers, or None.
+    stage: (this stage, stages). Aux states computed before the last stage reach the capture only
+    where the model sends them on (vLLM 0.32's DeepseekV2Model drops them; Kimi-K3's relays them)."""
+    (start, end), (rank, stages) = layers, stage
+    local = [i for i in aux_layer_ids if start <= i < end]
+    if rank == stages - 1 or not local or relays_aux:
+        return None
+    return (f"{model_name}: aux layers {local} live on pipeline stage {rank} of {stages} (layers "
+            f"{start}..{end - 1}), and vLLM does not send this model's aux states to the last stage; run it "
+            "with pipeline_parallel_size 1 (tensor parallelism is fine)")
+
+
 def enable_aux_outputs(runner, aux_layer_ids: tuple[int, ...]) -> None:
     """Switch vLLM's EAGLE-3 aux outputs on in a worker whose model was just loaded (before
     memory profiling, compilation and graph capture). Called by dump/capture_worker.py."""
@@ -313,13 +327,11 @@ def enable_aux_outputs(runner, aux_layer_ids: tuple[int, ...]) -> None:
         raise RuntimeError(f"{type(model).__name__} does not implement vLLM's SupportsEagle3: "
                            "no aux hidden states to capture")
     pp, decoder = get_pp_group(), _decoder(model)
-    local = [i for i in aux_layer_ids if decoder.start_layer <= i < decoder.end_layer]
-    if not pp.is_last_rank and local and not getattr(decoder, "supports_aux_hidden_states_over_pp", False):
-        # vLLM 0.32's DeepseekV2Model drops aux states computed before the last stage.
-        raise ValueError(f"{type(model).__name__}: aux layers {local} live on pipeline stage {pp.rank_in_group} "
-                         f"of {pp.world_size} (layers {decoder.start_layer}..{decoder.end_layer - 1}), and vLLM "
-                         "does not send this model's aux states to the last stage; run it with "
-                         "pipeline_parallel_size 1 (tensor parallelism is fine)")
+    refusal = pipeline_stage_refusal(type(model).__name__, aux_layer_ids, (decoder.start_layer, decoder.end_layer),
+                                     (pp.rank_in_group, pp.world_size),
+                                     getattr(decoder, "supports_aux_hidden_states_over_pp", False))
+    if refusal is not None:
+        raise ValueError(refusal)
     model.set_aux_hidden_state_layers(aux_layer_ids)
     reserve_aux_intermediate_tensor_slots(model)  # a no-op without PP or without relaying
     if not pp.is_first_rank:
