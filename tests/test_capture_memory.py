@@ -140,9 +140,10 @@ def test_plan_command_prints_per_process_figures(tmp_path: Path) -> None:
 
 # ---- peak RSS of a dump at two budgets --------------------------------------------------------
 def _processes() -> list[psutil.Process]:
-    """This process and its descendants: the dump and vLLM's engine core and workers."""
+    """This process and its live descendants: the dump and vLLM's engine core and workers (not
+    a zombie an earlier test's engine left unreaped: it holds no memory and has no VmHWM)."""
     me = psutil.Process()
-    return [me, *me.children(recursive=True)]
+    return [me, *(p for p in me.children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE)]
 
 
 def _reset_peaks(processes: list[psutil.Process]) -> None:
