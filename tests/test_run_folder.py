@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from model.checkpoint import load_draft
 from store.sealed import NotSealedError, SealMismatchError, sealed_json, unseal_json, write_sealed_json
 from tests.test_train import _fit, _losses, _overrides, one_thread  # noqa: F401
-from train.checkpoints import (COMPLETE, CheckpointError, checkpoint_marker, checkpoint_problem, resolve_resume,
+from train.checkpoints import (COMPLETE, CheckpointError, checkpoint_marker, checkpoint_problem, newest_verified,
                                verify_checkpoint)
 from train.run_folder import DRAFT_CONFIG, VOCAB, RunFolder, checkpoint_draft, find_checkpoint
 
@@ -78,7 +78,7 @@ def test_a_format_1_marker_still_verifies_and_any_changed_byte_is_refused(tmp_pa
     (folder / COMPLETE).write_bytes(FORMAT_1_MARKER)
     assert checkpoint_problem(folder) is None
     assert verify_checkpoint(folder)["step"] == 2
-    assert resolve_resume("auto", root) == folder == find_checkpoint(root)
+    assert newest_verified(root) == folder == find_checkpoint(root)
     for offset in range(len(FORMAT_1_MARKER)):
         damaged = bytearray(FORMAT_1_MARKER)
         damaged[offset] ^= 0x01

@@ -216,7 +216,7 @@ def test_flipped_bytes_are_refused_by_name_and_auto_falls_back(reference: Path, 
                 # ... and auto takes the previous one, naming the corrupt one in an error.
                 caplog.clear()
                 with caplog.at_level(logging.ERROR, logger="train.checkpoints"):
-                    assert C.resolve_resume("auto", root) == previous
+                    assert C.newest_verified(root) == previous
                 assert any(str(newest) in r.getMessage() and f"file {rel} " in r.getMessage()
                            for r in caplog.records), caplog.text
             flip_byte(path, offset, mask)
@@ -273,6 +273,6 @@ def _missing_resized_or_unmarked(run: Path, newest: Path, previous: Path, store:
     with pytest.raises(CheckpointError, match=re.escape(f"checkpoint {newest}: file {COMPLETE} is missing: the save "
                                                         f"did not finish (a partial checkpoint); the previous")):
         _fit(run, _fault_overrides(store, verifier, f"train.resume={newest}"))
-    assert C.resolve_resume("auto", newest.parent) == previous
+    assert C.newest_verified(newest.parent) == previous
     (newest / COMPLETE).write_bytes(marker)
     assert checkpoint_problem(newest) is None

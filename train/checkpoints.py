@@ -164,7 +164,7 @@ def verify_checkpoint(folder: Path) -> dict[str, Any]:
 
 def checkpoint_marker(folder: Path) -> dict[str, Any]:
     """The marker of a checkpoint, checked against its own seal only (not the files it lists: for
-    a folder verify_checkpoint or resolve_resume already verified)."""
+    a folder verify_checkpoint or newest_verified already verified)."""
     marker, problem = _read_marker(folder)
     if marker is None:
         raise CheckpointError(f"checkpoint {folder}: {problem}")
@@ -172,7 +172,7 @@ def checkpoint_marker(folder: Path) -> dict[str, Any]:
 
 
 # ---- resume ----------------------------------------------------------------------------------
-def _newest_verified(root: Path) -> Path | None:
+def newest_verified(root: Path) -> Path | None:
     """train.resume=auto: the newest checkpoint that verifies. Newer corrupt ones are logged and
     skipped; when checkpoints exist and none verifies it raises rather than start over."""
     if not root.is_dir():
@@ -195,18 +195,6 @@ def _newest_verified(root: Path) -> Path | None:
             f"({'; '.join(skipped)}); not starting over from scratch: move them aside or set "
             "train.resume=null to train from the beginning")
     return None
-
-
-def resolve_resume(resume: str | None, root: Path) -> Path | None:
-    """train.resume -> the verified checkpoint folder to load, or None for a fresh start.
-
-    null / "never": fresh; "auto": the newest checkpoint under root that verifies, fresh if there
-    is none; a path: verified_checkpoint(path). A checkpoint without its marker is never returned."""
-    if resume in (None, "never", False):
-        return None
-    if resume == "auto":
-        return _newest_verified(root)
-    return verified_checkpoint(Path(str(resume)))
 
 
 def verified_checkpoint(path: Path) -> Path:
@@ -280,7 +268,7 @@ def _prune(root: Path, tag: str, keep: int) -> None:
 
 def load_checkpoint(engine, folder: Path) -> int:
     """Restore module, optimizer, lr schedule and step from a checkpoint folder that
-    resolve_resume returned (hence verified); the step."""
+    RunFolder.resolve_resume returned (hence verified); the step."""
     _, client = engine.load_checkpoint(str(folder.parent), tag=folder.name)
     if client is None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint {folder}")

@@ -32,7 +32,7 @@ from safetensors.torch import load_file
 from model.checkpoint import draft_config_from_json
 from model.draft import DraftConfig
 from model.verifier import verifier_dir
-from train.checkpoints import checkpoint_marker, resolve_resume, save_checkpoint, verified_checkpoint
+from train.checkpoints import checkpoint_marker, newest_verified, save_checkpoint, verified_checkpoint
 
 METRICS = "metrics.jsonl"
 HELDOUT_SAMPLES = "heldout_samples.json"
@@ -76,11 +76,15 @@ class RunFolder:
         return cls(Path(checkpoint).resolve().parent.parent)
 
     def resolve_resume(self, resume: str | None) -> Path | None:
-        """train.resume of this run -> the verified checkpoint to load, or None for a fresh start
-        (train/checkpoints.py resolve_resume; "auto" looks in this run's checkpoints, and a path
-        may also name a run folder: its newest complete checkpoint)."""
-        if resume in (None, "never", False, "auto"):
-            return resolve_resume(resume, self.checkpoints)
+        """train.resume -> the verified checkpoint to load, or None for a fresh start.
+
+        null / "never": fresh; "auto": the newest checkpoint of this run that verifies, fresh if
+        there is none; a path: that checkpoint, or the newest complete one in a checkpoints or run
+        folder, which must verify. A checkpoint without its marker is never returned."""
+        if resume in (None, "never", False):
+            return None
+        if resume == "auto":
+            return newest_verified(self.checkpoints)
         return find_checkpoint(Path(str(resume)))
 
     def save_checkpoint(self, engine, step: int, keep: int, client_state: dict[str, Any],
