@@ -22,10 +22,10 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
 
 import config
 import infra
+from config.stages import TrainJob
 
 infra.configure_environment()  # offline hubs, caches in the repo: before transformers loads
 config.register()              # the schemas conf/train.yaml is merged onto
@@ -34,7 +34,7 @@ logger = logging.getLogger("train")
 
 
 @hydra.main(version_base=None, config_path=str(infra.CONF_DIR), config_name="train")
-def train_main(cfg: DictConfig) -> None:
+def train_main(cfg: TrainJob) -> None:
     config.check_entry(cfg, "python -m train")
     from store import StoreMismatchError
     from train.batches import SplitTooSmallError

@@ -10,9 +10,10 @@ from collections.abc import Callable, Set
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from config.choices import Precision, names
+from config.stages import TrainConf, TrainJob
 from config.validate import warmup_problems
 from infra import cpu_flags as read_cpu_flags
 from train.objective import Eagle3Objective
@@ -46,7 +47,7 @@ def precision_of(precision: str, device_type: str | None = None,
     return "bf16" if BF16_CPU_FLAGS & set(flags) else "fp32"
 
 
-def deepspeed_config(cfg: DictConfig) -> dict[str, Any]:
+def deepspeed_config(cfg: TrainJob) -> dict[str, Any]:
     """conf/deepspeed/<stage>.yaml + the training values (batch, precision, optimizer, clipping)."""
     t = cfg.train
     precision = precision_of(t.precision)
@@ -70,7 +71,7 @@ def deepspeed_config(cfg: DictConfig) -> dict[str, Any]:
     }
 
 
-def warmup_steps_of(train: DictConfig, total_steps: int | None) -> int:
+def warmup_steps_of(train: TrainConf, total_steps: int | None) -> int:
     """Warmup length in optimizer steps: train.warmup_steps, or train.warmup_ratio of the run's
     total_steps rounded up (recipes give one of the two, the other null)."""
     steps, ratio = train.warmup_steps, train.warmup_ratio
@@ -101,7 +102,7 @@ def lr_factor(warmup_steps: int, total_steps: int | None, min_ratio: float) -> C
     return factor
 
 
-def initialize(objective: Eagle3Objective, cfg: DictConfig, total_steps: int | None, mpu: Any = None):
+def initialize(objective: Eagle3Objective, cfg: TrainJob, total_steps: int | None, mpu: Any = None):
     """The DeepSpeed engine training the draft's trainable parameters. mpu: DeepSpeed's
     sequence-parallel groups (train/sequence_parallel.py SequenceParallel.mpu), None without: with
     them ZeRO reduces and partitions over every rank and averages over the data-parallel groups."""

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 
+from config.stages import TrainJob
 from model.checkpoint import HEAD
 from model.draft import DraftConfig, Eagle3Draft
 from model.training_facts import TrainingFacts
@@ -64,7 +64,7 @@ def consolidated_checkpoint_state(folder: Path) -> dict[str, torch.Tensor]:
     return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
 
 
-def training_facts(cfg: DictConfig, summary: dict[str, Any]) -> TrainingFacts:
+def training_facts(cfg: TrainJob, summary: dict[str, Any]) -> TrainingFacts:
     """The facts of a finished run (its config and `fit`'s summary) that its draft folder keeps."""
     from hydra.core.hydra_config import HydraConfig
 

@@ -25,10 +25,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from config.stages import TrainJob
 from infra import failpoint, process_memory_bytes, resolve
 from model.batch import Batch
 from model.card import write_card
@@ -69,7 +70,7 @@ class RunSetup:
     topk: bool = False          # the store keeps top-k targets, not final states: no verifier head
 
 
-def _objective_config(cfg: DictConfig, steps: int | None = None) -> ObjectiveConfig:
+def _objective_config(cfg: TrainJob, steps: int | None = None) -> ObjectiveConfig:
     loss = cfg.train.loss
     return ObjectiveConfig(steps=int(steps or cfg.train.ttt.steps), decay=cfg.train.ttt.decay,
                            chunk_bytes=loss.chunk_bytes, target_topk=loss.target_topk,
@@ -99,7 +100,7 @@ def _due(every: int | None, done: int, total: int | None) -> bool:
     return done == total or (bool(every) and done % int(every) == 0)
 
 
-def prepare(cfg: DictConfig, run_dir: Path, world_size: int) -> RunSetup:
+def prepare(cfg: TrainJob, run_dir: Path, world_size: int) -> RunSetup:
     verifier = Verifier.from_conf(cfg.verifier)
     # With train.init_from the draft takes the folder's switches where cfg.draft leaves them null
     # (also when resuming: the run was built so).
@@ -128,7 +129,7 @@ def prepare(cfg: DictConfig, run_dir: Path, world_size: int) -> RunSetup:
     return RunSetup(draft_cfg, split, verifier, d2t, total, rows_per_step, store_keeps_topk(split.reader))
 
 
-def _check_follow(cfg: DictConfig, split: StoreSplit, draft_cfg: DraftConfig) -> None:
+def _check_follow(cfg: TrainJob, split: StoreSplit, draft_cfg: DraftConfig) -> None:
     """What a run that follows a dump cannot do, refused before compute."""
     problems = []
     if draft_cfg.pruned:
@@ -146,7 +147,7 @@ def _check_follow(cfg: DictConfig, split: StoreSplit, draft_cfg: DraftConfig) ->
     check_follow_split(split.reader, (cfg.eval.heldout_fraction, cfg.eval.heldout_seed))
 
 
-def build_objective(setup: RunSetup, cfg: DictConfig, resuming: bool = False) -> Eagle3Objective:
+def build_objective(setup: RunSetup, cfg: TrainJob, resuming: bool = False) -> Eagle3Objective:
     torch.manual_seed(cfg.seed)                          # same initial draft on every rank
     # The verifier's [V, H] tensors in the trained dtype, mapped from its files where they are
     # stored so (model/verifier_weights.py): the ranks of one machine share them, and a frozen
@@ -192,7 +193,7 @@ def train_step(engine, batches: Iterator[Batch], grad_accum: int, steps: int,
     return stats, sums[0].item() / (grad_accum * sequence.data_world), sums[1].item()
 
 
-def run_evaluation(engine, setup: RunSetup, cfg: DictConfig, sequence: SequenceParallel) -> HeldoutResult:
+def run_evaluation(engine, setup: RunSetup, cfg: TrainJob, sequence: SequenceParallel) -> HeldoutResult:
     """The held-out metrics; the ranks of a sequence-parallel group evaluate the same rows."""
     plan = setup.split.eval_rows(sequence.data_rank, sequence.data_world)
     rows = PackedRows(setup.split.path, setup.split.heldout, [[i] for i, _ in plan], cfg.train.max_len,
@@ -202,7 +203,7 @@ def run_evaluation(engine, setup: RunSetup, cfg: DictConfig, sequence: SequenceP
     return evaluate(engine, loader, plan, len(setup.split.heldout), cfg.eval.ttt_steps)
 
 
-def evaluate_and_log(engine, setup: RunSetup, cfg: DictConfig, rank: int, sequence: SequenceParallel,
+def evaluate_and_log(engine, setup: RunSetup, cfg: TrainJob, rank: int, sequence: SequenceParallel,
                      log: RunLog, step: int, bar: tqdm) -> dict[str, float]:
     """The held-out evaluation after `step`, written to the run log (each sample's sums too) and
     the progress bar."""
@@ -227,7 +228,7 @@ def export_run(engine, setup: RunSetup, run: RunFolder, dtype: torch.dtype) -> s
     return out
 
 
-def follow_schedule(cfg: DictConfig, run: RunFolder, setup: RunSetup, rank: int) -> FollowSchedule:
+def follow_schedule(cfg: TrainJob, run: RunFolder, setup: RunSetup, rank: int) -> FollowSchedule:
     t = cfg.train
     return FollowSchedule(setup.split.path, run.follow, window=t.follow_window, poll_s=t.follow_poll_s,
                           epochs=t.epochs, max_len=t.max_len, seed=cfg.seed, rows_per_step=setup.rows_per_step,
@@ -239,7 +240,7 @@ class WholeStore:
 
     evaluates_while_training = True
 
-    def __init__(self, setup: RunSetup, cfg: DictConfig) -> None:
+    def __init__(self, setup: RunSetup, cfg: TrainJob) -> None:
         self.setup, self.cfg = setup, cfg
 
     def segments(self, start: int) -> Iterator[Segment]:
@@ -263,7 +264,7 @@ class FollowedStore(WholeStore):
 
     evaluates_while_training = False
 
-    def __init__(self, setup: RunSetup, cfg: DictConfig, schedule: FollowSchedule, start: int) -> None:
+    def __init__(self, setup: RunSetup, cfg: TrainJob, schedule: FollowSchedule, start: int) -> None:
         super().__init__(setup, cfg)
         self.schedule = schedule
         schedule.retire_through(start)        # a run killed between its checkpoint and the retirement
@@ -290,7 +291,7 @@ class Trainer:
     """A run's engine and what its steps so far left (the step reached, the newest checkpoint,
     the counters of the summary)."""
 
-    cfg: DictConfig
+    cfg: TrainJob
     run: RunFolder
     setup: RunSetup
     engine: Any
@@ -356,7 +357,7 @@ class Trainer:
                                         step, self.bar)
 
 
-def start_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
+def start_trainer(cfg: TrainJob, run_dir: Path) -> Trainer:
     """The run's folder, setup and engine, resumed from its checkpoint where there is one."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -382,7 +383,7 @@ def start_trainer(cfg: DictConfig, run_dir: Path) -> Trainer:
                    done=start, saved=start)
 
 
-def fit(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+def fit(cfg: TrainJob, run_dir: Path) -> dict[str, Any]:
     """Train (or resume) one run into run_dir; returns the summary."""
     trainer = start_trainer(cfg, run_dir)
     setup, resumed_from = trainer.setup, trainer.last_ckpt

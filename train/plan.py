@@ -89,6 +89,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from config.stages import TrainJob
 from model.batch import Batch
 from model.draft import DraftConfig, build_draft
 from model.verifier_weights import VerifierHead
@@ -279,7 +280,7 @@ class PlanSpec:
                                recompute=self.recompute)
 
 
-def spec_from_cfg(cfg: DictConfig, world_size: int) -> PlanSpec:
+def spec_from_cfg(cfg: TrainJob, world_size: int) -> PlanSpec:
     """The plan's inputs from a composed conf/train.yaml (its deepspeed group gives the stage)."""
     t = cfg.train
     # DeepSpeed's own table, as written: a key it leaves out takes DeepSpeed's default.
@@ -296,7 +297,7 @@ def spec_from_cfg(cfg: DictConfig, world_size: int) -> PlanSpec:
                     halo=_halo(cfg))
 
 
-def _halo(cfg: DictConfig) -> int:
+def _halo(cfg: TrainJob) -> int:
     """The rows past its slice each cut carries (train/sequence_parallel.py RowSlice): the longest
     TTT chain, training's or the held-out one's, reads that far ahead."""
     if cfg.train.sequence_parallel == 1:
