@@ -24,10 +24,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
+from config.groups import StoreConf, VerifierConf
+from config.stages import DumpJob
 from data.conversations import Conversation, ReadStats
 from data.heldout_set import HeldoutSet, dump_conversations
 from data.split import held_out_by
@@ -79,7 +81,7 @@ def token_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     return pack_next_fit(lengths, max_tokens)
 
 
-def open_writer(output_dir: str | Path, verifier: DictConfig, store: DictConfig, record: dict[str, Any],
+def open_writer(output_dir: str | Path, verifier: VerifierConf, store: StoreConf, record: dict[str, Any],
                 rank: int | None = None, world_size: int | None = None,
                 heldout: Callable[[str], bool] | None = None) -> StoreWriter:
     """The store at output_dir of `verifier`'s hidden states (conf/verifier, conf/store nodes).
@@ -97,7 +99,7 @@ def open_writer(output_dir: str | Path, verifier: DictConfig, store: DictConfig,
                        heldout=heldout, max_bytes=store.max_bytes, poll_s=store.poll_s)
 
 
-def target_head_for(store: DictConfig, verifier: Verifier | Path) -> torch.Tensor | None:
+def target_head_for(store: StoreConf, verifier: Verifier | Path) -> torch.Tensor | None:
     """The verifier's lm_head [V, H], float32 on the GPU where there is one, for storage settings
     that keep its top-k next tokens (final: topk); None for the others."""
     if store.final != "topk":
@@ -132,7 +134,7 @@ def write_batch(writer: StoreWriter, capture: HiddenStateCapture, samples: list[
     return tokens
 
 
-def conversations_of(cfg: DictConfig, stats: ReadStats | None = None) -> Iterator[Conversation]:
+def conversations_of(cfg: DumpJob, stats: ReadStats | None = None) -> Iterator[Conversation]:
     """What the dump writes, in order: the data's conversations and the trainer's held-out set
     (data/heldout_set.py)."""
     # No held-out split: no held-out set to read on for.
@@ -141,19 +143,19 @@ def conversations_of(cfg: DictConfig, stats: ReadStats | None = None) -> Iterato
     return dump_conversations(cfg.data, cfg.split, trainer_heldout(cfg), heldout_set, stats)
 
 
-def trainer_heldout(cfg: DictConfig) -> Callable[[str], bool]:
+def trainer_heldout(cfg: DumpJob) -> Callable[[str], bool]:
     """The trainer's held-out rule (conf/heldout_split) on sample ids."""
     return held_out_by(cfg.heldout_split.heldout_fraction, cfg.heldout_split.heldout_seed, cfg.data.format)
 
 
-def check_input(cfg: DictConfig) -> None:
+def check_input(cfg: DumpJob) -> None:
     """Read what the dump will read, once, so that under on_error=raise a bad record (malformed,
     or a duplicate id) fails the dump before an engine starts rather than hours into it."""
     deque(conversations_of(cfg), maxlen=0)
 
 
 def tokenize_batch(writer: StoreWriter, tokenizer: PreTrainedTokenizerBase, batch: list[Conversation],
-                   cfg: DictConfig, rejections: Rejections, done: AbstractSet[str] = frozenset(),
+                   cfg: DumpJob, rejections: Rejections, done: AbstractSet[str] = frozenset(),
                    heldout: Callable[[str], bool] | None = None) -> list[TokenizedSample]:
     """The batch's samples under cfg.max_len and cfg.over_long, the trainer's `heldout` ones cut to
     cfg.heldout_set.max_tokens; the others are rejected (those `done` were, by the run that
@@ -185,7 +187,7 @@ def capture_round(writer: StoreWriter, capture: HiddenStateCapture, samples: lis
         failpoint("dump.batch.done")
 
 
-def run_dump(cfg: DictConfig, llm=None) -> dict[str, Any]:
+def run_dump(cfg: DumpJob, llm=None) -> dict[str, Any]:
     """Dump this rank's share of the configured data; resumes whatever an earlier run left.
 
     `llm`: an engine already running on the verifier (tests share one); else one is started

@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from config.choices import DraftSample, names
+from config.stages import EvalJob
 from data.conversations import Conversation, load_conversations
 from data.template import as_chat, prompt_ids
 from infra import resolve
@@ -58,7 +59,7 @@ def first_turn(conversation: Conversation) -> Conversation:
     return Conversation(conversation.id, tuple(messages), conversation.category)
 
 
-def load_categories(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase) -> list[Category]:
+def load_categories(cfg: EvalJob, tokenizer: PreTrainedTokenizerBase) -> list[Category]:
     room = cfg.max_len - cfg.max_tokens - cfg.num_speculative_tokens - 1
     categories = []
     for name, cat in cfg.categories.items():
@@ -80,7 +81,7 @@ def load_categories(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase) -> list
     return categories
 
 
-def check_draft(draft_dir: Path, cfg: DictConfig) -> None:
+def check_draft(draft_dir: Path, cfg: EvalJob) -> None:
     """Refuse a draft made for another verifier before any engine starts (every disagreement at
     once: model/compatibility.py)."""
     from model.checkpoint import CONFIG_FILE, read_draft_folder
@@ -93,7 +94,7 @@ def check_draft(draft_dir: Path, cfg: DictConfig) -> None:
 
 
 # ---- 2. real -------------------------------------------------------------------------------
-def measure_real(cfg: DictConfig, categories: list[Category], verifier: Path, draft_dir: Path,
+def measure_real(cfg: EvalJob, categories: list[Category], verifier: Path, draft_dir: Path,
                  stop: list[int]) -> dict[str, dict[str, Any]]:
     from dump.engine import shutdown_llm
     from evaluation.speculative import run_prompts, speculative_engine
@@ -117,7 +118,7 @@ def measure_real(cfg: DictConfig, categories: list[Category], verifier: Path, dr
 
 
 # ---- 3. shards of the texts vLLM produced -------------------------------------------------
-def dump_texts(cfg: DictConfig, categories: list[Category], runs: dict[str, dict[str, Any]],
+def dump_texts(cfg: EvalJob, categories: list[Category], runs: dict[str, dict[str, Any]],
                verifier: Path, run_dir: Path, llm=None) -> dict[str, dict[str, Path]]:
     """Stage 1's capture over prompt + each answer vLLM produced: <run>/stores/<category>/<mode>.
 
@@ -163,7 +164,7 @@ def dump_texts(cfg: DictConfig, categories: list[Category], runs: dict[str, dict
 
 
 # ---- 4. simulated --------------------------------------------------------------------------
-def simulate_all(cfg: DictConfig, stores: dict[str, dict[str, Path]], verifier: Path,
+def simulate_all(cfg: EvalJob, stores: dict[str, dict[str, Path]], verifier: Path,
                  draft_dir: Path) -> dict[str, dict[str, Any]]:
     """Per category: greedy replay on the greedy texts; the sampled expectation on the sampled texts."""
     import torch
@@ -205,7 +206,7 @@ def proposal_method(draft_sample: str, draft_dir: Path) -> str:
     return "greedy" if pruned else "probabilistic"
 
 
-def evaluate_draft(cfg: DictConfig, run_dir: Path, capture_llm=None) -> dict[str, Any]:
+def evaluate_draft(cfg: EvalJob, run_dir: Path, capture_llm=None) -> dict[str, Any]:
     """The whole evaluation (steps 1-5) into run_dir. `capture_llm`: a running capture engine for
     step 3 (see dump_texts); else one is started after the speculative engine is shut down."""
     from evaluation import report
