@@ -8,7 +8,6 @@ become a stored sample.
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -26,7 +25,6 @@ class RejectionKind(StrEnum):
     NO_ASSISTANT_TOKEN = "no assistant token"   # none within max_len tokens
     NON_FINITE = "non-finite hidden states"     # NaN or inf in the captured states
     NO_TOKENS = "no tokens"                     # an empty sample
-    UNKNOWN = "unknown"                         # a legacy reason none of the above matches
 
 
 @dataclass(frozen=True)
@@ -65,44 +63,19 @@ class Rejection:
         return {"kind": self.kind.value, "file": self.file, "line": self.line, "reason": self.reason}
 
     @classmethod
-    def from_json(cls, sample: str, value: Mapping[str, Any] | str) -> Rejection:
-        """The record `to_json` made of sample's rejection; a plain string is the legacy form
-        (`from_legacy`). ValueError, KeyError or TypeError for anything else."""
-        if isinstance(value, str):
-            return cls.from_legacy(sample, value)
-        file, line = value["file"], value["line"]
-        if not isinstance(value["reason"], str) or not isinstance(file, (str, type(None))) \
-                or not isinstance(line, (int, type(None))):
-            raise TypeError(f"rejection of sample {sample!r} is not {{kind, file, line, reason}}: {value!r}")
-        origin = None if file is None else Origin(file, line)
+    def from_json(cls, sample: str, value: Any) -> Rejection:
+        """The record `to_json` made of sample's rejection. Anything else raises TypeError naming
+        the sample and what it got (a sentence, as manifests written before rejections were
+        records kept them, is not read); a kind outside RejectionKind raises ValueError."""
+        if not (isinstance(value, Mapping) and _FIELDS <= value.keys() and isinstance(value["reason"], str)
+                and isinstance(value["file"], (str, type(None))) and isinstance(value["line"], (int, type(None)))):
+            older = (" (a sentence: manifests written by an older version of the dump kept those, and "
+                     "are not read any more)" if isinstance(value, str) else "")
+            raise TypeError(f"rejection of sample {sample!r} is not a {{kind, file, line, reason}} record: "
+                            f"got {type(value).__name__} {value!r}{older}")
+        origin = None if value["file"] is None else Origin(value["file"], value["line"])
         return cls(RejectionKind(value["kind"]), sample, value["reason"], origin)
 
-    @classmethod
-    def from_legacy(cls, sample: str, text: str) -> Rejection:
-        """The legacy path, the one place it is read: manifests written before rejections were
-        records kept a sentence per sample, "<file>:<line> (sample <id>): <reason>" for the chat
-        template's rejections, the bare reason for the writer's. The record and kind are
-        recovered from the sentences those versions wrote; any other is kind UNKNOWN."""
-        where, marker, rest = text.partition(f" (sample {sample}): ")
-        origin = _legacy_origin(where) if marker else None
-        reason = rest if origin is not None else text.removeprefix(f"sample {sample}: ")
-        kind = next((k for pattern, k in _LEGACY_KINDS if pattern.fullmatch(reason)), RejectionKind.UNKNOWN)
-        return cls(kind, sample, reason, origin)
 
-
-# The reasons the earlier versions wrote, each as they worded it.
-_LEGACY_KINDS = [
-    (re.compile(r"no assistant turn"), RejectionKind.NO_ASSISTANT_TURN),
-    (re.compile(r"chat template failed: .*", re.DOTALL), RejectionKind.CHAT_TEMPLATE),
-    (re.compile(r"\d+ tokens > max_len \d+"), RejectionKind.OVER_LONG),
-    (re.compile(r"no assistant token within \d+ tokens"), RejectionKind.NO_ASSISTANT_TOKEN),
-    (re.compile(r"(aux|final) hidden states have \d+ non-finite values \(NaN/Inf\)(; .*)?"),
-     RejectionKind.NON_FINITE),
-    (re.compile(r"no tokens"), RejectionKind.NO_TOKENS),
-]
-_LEGACY_LINE = re.compile(r"(?P<file>.+):(?P<line>\d+)")
-
-
-def _legacy_origin(where: str) -> Origin | None:
-    match = _LEGACY_LINE.fullmatch(where)
-    return None if match is None else Origin(match["file"], int(match["line"]))
+# The keys of a record (`to_json`).
+_FIELDS = {"kind", "file", "line", "reason"}

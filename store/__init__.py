@@ -29,8 +29,8 @@ from store.format import (AUX, AUX_ENCODINGS, AUX_SCALE, CORRUPT_PREFIX, FINAL, 
                           FINAL_ROWS, FORMAT_VERSION, INPUT_IDS, LOSS_MASK, MANIFEST_DIR, MODES, OFFSETS,
                           SHARDS_DIR, STORE_META, TARGET_IDS, TARGET_LOGPROBS, TMP_PREFIX, StorageSettings,
                           shard_name)
-from store.identity import (AUX_CAPTURES, LEGACY_AUX_CAPTURE, StoreMismatchError, aux_capture_of,
-                            check_aux_capture, read_store_meta, storage_of, verifier_identity)
+from store.identity import (AUX_CAPTURES, StoreMismatchError, aux_capture_of, check_aux_capture, read_store_meta,
+                            storage_of, verifier_identity)
 from store.inspect import format_inspect, inspect_store
 from store.progress import SampleRetiredError, completion, read_retired, retire_shards, shards_bytes
 from store.reader import Problem, Sample, SampleRef, ShardCorruptError, StoreReader
@@ -38,7 +38,7 @@ from store.writer import StoreWriteError, StoreWriter, WriterStats, dist_env, ra
 
 __all__ = [
     "AUX", "AUX_CAPTURES", "AUX_ENCODINGS", "AUX_SCALE", "CORRUPT_PREFIX", "FINAL", "FINAL_ENCODINGS",
-    "FINAL_OFFSETS", "FINAL_ROWS", "FORMAT_VERSION", "FP4_MAX", "FP8_MAX", "INPUT_IDS", "LEGACY_AUX_CAPTURE",
+    "FINAL_OFFSETS", "FINAL_ROWS", "FORMAT_VERSION", "FP4_MAX", "FP8_MAX", "INPUT_IDS",
     "LOSS_MASK", "MANIFEST_DIR", "MODES", "OFFSETS", "SHARDS_DIR", "STORE_META", "TARGET_IDS",
     "TARGET_LOGPROBS", "TMP_PREFIX", "Manifest", "Problem", "Sample", "SampleRef", "SampleRetiredError",
     "ShardCorruptError", "completion", "read_retired", "retire_shards", "shards_bytes",

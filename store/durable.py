@@ -1,11 +1,10 @@
-"""The store's crash-safe files: reading its sealed JSON files (store/sealed.py writes them; a
-format-1 file has no seal), the per-rank manifests of committed shards (with the sha256 of each
-shard's zarr.json files), the listing of committed shards, and the per-rank write lock."""
+"""The store's crash-safe files: reading its sealed JSON files (store/sealed.py writes them), the
+per-rank manifests of committed shards (with the sha256 of each shard's zarr.json files), the
+listing of committed shards, and the per-rank write lock."""
 from __future__ import annotations
 
 import fcntl
 import hashlib
-import json
 import os
 import socket
 from dataclasses import asdict, dataclass, field
@@ -13,7 +12,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from data.rejection import Rejection
-from store.format import FORMAT_VERSION, LEGACY_VERSION, MANIFEST_DIR, SHARDS_DIR, _SHARD_NAME
+from store.format import FORMAT_VERSION, MANIFEST_DIR, SHARDS_DIR, _SHARD_NAME
 from store.sealed import NotSealedError, SealMismatchError, replace_sealed_json, unseal_json
 
 
@@ -27,27 +26,16 @@ class StoreCorruptError(RuntimeError):
 
 
 def _read_checked_json(file: Path, advice: str) -> Any:
-    """A sealed JSON file (store/sealed.py), its sha256 checked; a version-1 file (no sha256
-    line) only where it says version 1. StoreCorruptError names a damaged file."""
-    data = file.read_bytes()
+    """A sealed JSON file (store/sealed.py), its sha256 checked; StoreCorruptError names a damaged
+    one (a file without its sha256 line among them)."""
     try:
-        return unseal_json(data)
+        return unseal_json(file.read_bytes())
     except NotSealedError:
-        return _read_legacy_json(file, data, advice)
+        raise StoreCorruptError(f"{file} is damaged: it does not end with its sha256 line; {advice}",
+                                file) from None
     except SealMismatchError:
         raise StoreCorruptError(f"{file} is damaged: its contents do not match the sha256 on its "
                                 f"last line; {advice}", file) from None
-
-
-def _read_legacy_json(file: Path, data: bytes, advice: str) -> Any:
-    try:
-        value = json.loads(data)
-    except ValueError:
-        value = None
-    if not isinstance(value, dict) or value.get("format_version") != LEGACY_VERSION:
-        raise StoreCorruptError(f"{file} is damaged: it does not end with its sha256 line and is "
-                                f"not a format-{LEGACY_VERSION} file; {advice}", file)
-    return value
 
 
 @dataclass
@@ -59,7 +47,7 @@ class ShardEntry:
     num_tokens: list[int]  # per sample
     nbytes: int            # on disk
     # sha256 of each zarr.json, by path in the shard ("zarr.json", "aux_hidden/zarr.json", ...);
-    # empty in format 1 and for a shard no manifest lists yet
+    # empty for a shard no manifest lists yet
     metadata_sha256: dict[str, str] = field(default_factory=dict)
     # The shard holds only samples the trainer holds out (the dump's heldout_split): a following
     # trainer never retires it. False in manifests written before the split was routed.
@@ -86,12 +74,12 @@ _MANIFEST_ADVICE = ("the shards it lists are not affected: move it away and reru
 def _read_manifest(file: Path) -> Manifest:
     raw = _read_checked_json(file, _MANIFEST_ADVICE)
     try:
-        # Rejections are {kind, file, line, reason} objects, or reason strings in manifests
-        # written before they were (Rejection.from_json reads both).
+        # Rejections are {kind, file, line, reason} records (Rejection.from_json refuses others).
         rejected = {sample: Rejection.from_json(sample, value) for sample, value in raw["rejected"].items()}
         return Manifest(rank=raw["rank"], shards=[ShardEntry(**s) for s in raw["shards"]],
                         rejected=rejected)
-    # A format-1 file, unchecked, gets here by damage; a checked one by a rejection kind unknown here.
+    # A file whose seal holds gets here by a shape this code does not write: a rejection that is
+    # no record (a sentence of an older version), a kind unknown here.
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise StoreCorruptError(f"{file} is damaged: {error!r}; {_MANIFEST_ADVICE}", file) from error
 

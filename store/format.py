@@ -30,12 +30,10 @@ False. A retired shard is gone from shards/ but stays in its rank's manifest: it
 A manifest's "rejected" maps each sample id the rank rejected to its record (data/rejection.py's
 Rejection): {"kind", "file", "line", "reason"}. kind is one of RejectionKind's values ("no
 assistant turn", "chat template", "over-long", "no assistant token", "non-finite hidden states",
-"no tokens", "unknown"); file and line name the input record the sample came from (both null
-where unknown); reason says what exactly was wrong. A rejected sample is done: a resumed dump
-skips it. Manifests written before rejections were records (of every format version) map each id
-to a sentence instead, "<file>:<line> (sample <id>): <reason>" or the bare reason: they are read
-as records (Rejection.from_legacy recovers the kind from the sentences those versions wrote, else
-"unknown"), and a manifest rewritten by this code holds records.
+"no tokens"); file and line name the input record the sample came from (both null where
+unknown); reason says what exactly was wrong. A rejected sample is done: a resumed dump skips it.
+A manifest that maps an id to anything else (the sentence older versions kept) is refused as
+damaged, naming the sample.
 
 Storage settings (conf/store/*.yaml; store.json's "storage" block): `mode`, a label (the preset's
 name: lossless, fp8, fp4, compact, fp32), and what decides the bytes: `aux`, the encoding of the
@@ -88,15 +86,12 @@ So every file a reader reads is checked: chunks and shard indexes by their crc32
 manifest entry holds, store.json and the manifests by their sha256 line. Every reader and
 `verify` checks these; a damaged file is named (StoreCorruptError, ShardCorruptError).
 
-Format versions. 3 is the above. 2 had one storage `mode` for both hidden states (bf16, fp8 or
-fp32), bf16 as uint16 bits, and every row of final_hidden: read as aux bf16/final bf16, aux
-fp8/final bf16 and aux fp32/final fp32, final_rows all. 1 was 2 without a sha256 anywhere: its JSON and zarr.json
-files are taken as they are (`inspect` says so). Stores of versions 1 and 2 are read, never
-written to: finish such a store with the code that started it, or start a new one. A JSON file
-without the sha256 line is read as version 1 only when it says version 1: a newer file cannot
-lose that line to one damaged byte, so damage never makes a new file pass for an old one. A
-store of a newer version, or whose settings name an encoding this code does not know, is
-refused on opening, naming it: upgrade the code to read it.
+Format version 3 is the above, the only one read and written. A store of an older version (1
+and 2, written by older versions of the dump) is refused on opening, naming its version: dump
+again into a new store. A store of a newer version, or whose settings name an encoding this code
+does not know, is refused on opening, naming it: upgrade the code to read it. A JSON file
+without its sha256 line is damaged, but for a store.json that says version 1 (which sealed
+nothing): refused as that version, never read.
 """
 from __future__ import annotations
 
@@ -116,18 +111,13 @@ from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 from config.choices import AuxEncoding, FinalEncoding, FinalRows, names
 from infra import failpoint
 
-FORMAT_VERSION = 3
-LEGACY_VERSION = 1  # read, never written (the module's docstring)
-READ_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 3  # the only one read and written (the module's docstring)
 
 AUX_ENCODINGS = names(AuxEncoding)
 FINAL_ENCODINGS = names(FinalEncoding)
 FINAL_ROWS = names(FinalRows)
 # The presets of conf/store; `mode` is their label, the encodings above decide the bytes.
 MODES = ("lossless", "fp8", "fp4", "compact", "fp32")
-# Formats 1 and 2 named one mode for both hidden states: (aux, final, final_rows) it meant.
-LEGACY_MODES = {"bf16": ("bf16", "bf16", "all"), "fp8": ("fp8", "bf16", "all"),
-                "fp32": ("fp32", "fp32", "all")}
 
 STORE_META = "store.json"
 SHARDS_DIR = "shards"
@@ -191,22 +181,15 @@ class StorageSettings:
         return (4 + 1) + num_aux * hidden_size * (per_value + scales) + final   # + int32 id, bool mask
 
     @classmethod
-    def from_record(cls, storage: Mapping[str, Any], format_version: int) -> StorageSettings:
-        """The settings store.json (or a shard's attributes) records; formats 1 and 2 had one
-        `mode` (LEGACY_MODES). ValueError names an encoding this code does not know."""
-        common = {"compressor": dict(storage.get("compressor") or {"name": "none"}),
-                  "target_chunk_bytes": int(storage.get("target_chunk_bytes", 1)),
-                  "shard_bytes": int(storage.get("shard_bytes", 1))}
-        if format_version < 3:
-            mode = storage.get("mode")
-            if mode not in LEGACY_MODES:
-                raise ValueError(f"storage mode {mode!r} of format {format_version} is not one of "
-                                 f"{', '.join(LEGACY_MODES)}")
-            aux, final, rows = LEGACY_MODES[mode]
-            return cls(mode=mode, aux=aux, final=final, final_rows=rows, **common)
+    def from_record(cls, storage: Mapping[str, Any]) -> StorageSettings:
+        """The settings store.json (or a shard's attributes) records. ValueError names an
+        encoding this code does not know."""
         settings = cls(mode=str(storage.get("mode")), aux=storage.get("aux"), final=storage.get("final"),
                        final_rows=storage.get("final_rows"), topk=int(storage.get("topk", 32)),
-                       fp4_block=int(storage.get("fp4_block", 32)), **common)
+                       fp4_block=int(storage.get("fp4_block", 32)),
+                       compressor=dict(storage.get("compressor") or {"name": "none"}),
+                       target_chunk_bytes=int(storage.get("target_chunk_bytes", 1)),
+                       shard_bytes=int(storage.get("shard_bytes", 1)))
         settings.check()
         return settings
 
@@ -303,8 +286,7 @@ def _chunk_shape(data: np.ndarray, target_chunk_bytes: int, planes: bool = False
 
 
 def is_planes(name: str, storage: StorageSettings) -> bool:
-    """Whether a format-3 array holds bf16 byte planes: bf16 hidden states (format 2 kept the
-    uint16 bits)."""
+    """Whether an array holds bf16 byte planes: bf16 hidden states."""
     return (name == AUX and storage.aux == "bf16") or (name == FINAL and storage.final == "bf16")
 
 

@@ -14,17 +14,15 @@ from pathlib import Path
 from typing import Any
 
 from config.choices import AuxCapture, names
-from store.durable import _read_checked_json
-from store.format import (AUX_ENCODINGS, FINAL_ENCODINGS, FORMAT_VERSION, READ_VERSIONS,
-                          STORE_META, StorageSettings, _plain, logical_dtypes)
+from store.durable import StoreCorruptError, _read_checked_json
+from store.format import (AUX_ENCODINGS, FINAL_ENCODINGS, FORMAT_VERSION, STORE_META, StorageSettings,
+                          _plain, logical_dtypes)
 from store.sealed import fsync_dir, write_sealed_json
 
 logger = logging.getLogger(__name__)
 
 # What the hidden state of an aux id is (config/choices.py AuxCapture); a store records it.
 AUX_CAPTURES = names(AuxCapture)
-# Stores written before store.json named the capture were all of DeepSeek-V3 verifiers.
-LEGACY_AUX_CAPTURE = "residual_stream"
 
 # config.json keys that change with the tool that saved the checkpoint, not with the model.
 _VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path")
@@ -84,8 +82,8 @@ def check_aux_capture(aux_capture: str) -> str:
 
 
 def aux_capture_of(meta: Mapping[str, Any]) -> str:
-    """The capture mode a store.json (or a shard's attributes) records; legacy ones have none."""
-    return str(meta.get("aux_capture", LEGACY_AUX_CAPTURE))
+    """The capture mode a store.json (or a shard's attributes) records (KeyError where none)."""
+    return str(meta["aux_capture"])
 
 
 def _store_meta(identity: Mapping[str, Any], aux_layer_ids: Sequence[int], aux_convention: str,
@@ -119,9 +117,8 @@ def _compatibility(meta: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def storage_of(meta: Mapping[str, Any]) -> StorageSettings:
-    """The storage settings a store.json (or a shard's attributes) records, in format 3's terms
-    (formats 1 and 2 named one mode: format.LEGACY_MODES)."""
-    return StorageSettings.from_record(meta["storage"], int(meta["format_version"]))
+    """The storage settings a store.json (or a shard's attributes) records."""
+    return StorageSettings.from_record(meta["storage"])
 
 
 def _mismatches(found: Mapping[str, Any], wanted: Mapping[str, Any]) -> list[str]:
@@ -144,13 +141,7 @@ def _create_or_check_meta(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
             pass  # another rank was first; its store.json is checked below
         finally:
             tmp.unlink()
-    existing = read_store_meta(path)
-    if existing["format_version"] != meta["format_version"]:
-        raise StoreMismatchError(
-            f"cannot write to store {path}: it has format version {existing['format_version']}, "
-            f"this code writes version {meta['format_version']} (and reads versions "
-            f"{READ_VERSIONS[0]} to {READ_VERSIONS[-1]}); finish the store "
-            "with the code that started it, or use a new store folder")
+    existing = read_store_meta(path)  # of this code's format version: it refuses others
     problems = _mismatches(existing, meta)
     if problems:
         raise StoreMismatchError(f"cannot write to store {path}: it was written with other "
@@ -168,16 +159,23 @@ _META_ADVICE = ("the store's settings cannot be trusted: restore it from a copy 
 
 def read_store_meta(path: str | Path) -> dict[str, Any]:
     """store.json of a store, its checksum and format version checked (StoreCorruptError names a
-    damaged one)."""
+    damaged one; StoreMismatchError a store of another format version, or of encodings this code
+    does not know)."""
     target = Path(path) / STORE_META
     if not target.is_file():
         raise FileNotFoundError(f"{path} is not a hidden-state store: {STORE_META} is missing")
-    meta = _read_checked_json(target, _META_ADVICE)
+    try:
+        meta = _read_checked_json(target, _META_ADVICE)
+    except StoreCorruptError:
+        if _unsealed_version(target) == 1:  # format 1 sealed nothing: refused as that, not as damage
+            raise StoreMismatchError(_older_format(path, 1)) from None
+        raise
     version = meta.get("format_version")
-    if version not in READ_VERSIONS:
+    if isinstance(version, int) and version < FORMAT_VERSION:
+        raise StoreMismatchError(_older_format(path, version))
+    if version != FORMAT_VERSION:
         raise StoreMismatchError(f"store {path} has format version {version!r}; this code reads "
-                                 f"versions {READ_VERSIONS[0]} to {READ_VERSIONS[-1]}: upgrade it "
-                                 "to read this store")
+                                 f"version {FORMAT_VERSION}: upgrade it to read this store")
     try:
         storage_of(meta)
     except (ValueError, TypeError, KeyError) as error:
@@ -186,3 +184,18 @@ def read_store_meta(path: str | Path) -> dict[str, Any]:
             f"reads aux encodings {', '.join(AUX_ENCODINGS)} and final encodings "
             f"{', '.join(FINAL_ENCODINGS)}: upgrade it to read this store") from error
     return meta
+
+
+def _older_format(path: str | Path, version: int) -> str:
+    return (f"store {path} has format version {version}: it was written by an older version of the "
+            f"dump, whose stores are not read any more (this code reads version {FORMAT_VERSION}); "
+            "dump again into a new store folder")
+
+
+def _unsealed_version(file: Path) -> Any:
+    """The format_version a JSON file without a sha256 line says it has, or None."""
+    try:
+        value = json.loads(file.read_bytes())
+    except ValueError:
+        return None
+    return value.get("format_version") if isinstance(value, dict) else None

@@ -13,7 +13,7 @@ from typing import Any
 
 from data.rejection import Rejection
 from store.durable import StoreCorruptError, _all_manifests
-from store.format import CORRUPT_PREFIX, LEGACY_VERSION, SHARDS_DIR, TMP_PREFIX
+from store.format import CORRUPT_PREFIX, SHARDS_DIR, TMP_PREFIX
 from store.identity import StoreMismatchError
 from store.progress import completion, waiting_ranks
 from store.reader import _MAX_NAMED, ShardCorruptError, StoreReader
@@ -42,7 +42,6 @@ def _report(reader: StoreReader, verify: bool) -> dict[str, Any]:
     return {
         "path": str(reader.path),
         "format_version": reader.meta["format_version"],
-        "metadata_checksums": reader.meta["format_version"] != LEGACY_VERSION,
         "verifier": reader.identity.get("name"),
         "hidden_size": hidden,
         "aux_layer_ids": reader.aux_layer_ids,
@@ -183,16 +182,11 @@ def format_inspect(report: Mapping[str, Any]) -> str:
 
 
 def _checksum_lines(report: Mapping[str, Any]) -> list[str]:
-    lines = [] if report["metadata_checksums"] else [
-        f"metadata      format {LEGACY_VERSION}: store.json, manifests and zarr.json files carry no "
-        "checksum; damage to them cannot be seen"]
     if report["problems"] is None:
-        return lines + ["checksums     not verified"]
+        return ["checksums     not verified"]
     if report["problems"]:
-        return lines + [f"PROBLEMS      {len(report['problems'])}:", *[f"  {p}" for p in report["problems"]]]
-    checked = "every chunk, shard index and metadata file" if report["metadata_checksums"] else \
-        "every chunk and shard index"
-    return lines + [f"checksums     {checked} verified: OK"]
+        return [f"PROBLEMS      {len(report['problems'])}:", *[f"  {p}" for p in report["problems"]]]
+    return ["checksums     every chunk, shard index and metadata file verified: OK"]
 
 
 def _by_kind(report: Mapping[str, Any]) -> str:

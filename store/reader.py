@@ -14,7 +14,7 @@ import zarr
 
 from store.durable import (ShardEntry, StoreCorruptError, _all_manifests, _committed_shards,
                            _nbytes_on_disk, _sha256_file)
-from store.encoding import decode_bf16, decode_bf16_planes, decode_fp4, decode_fp8, target_rows
+from store.encoding import decode_bf16_planes, decode_fp4, decode_fp8, target_rows
 from store.format import (AUX, AUX_SCALE, FINAL, FINAL_OFFSETS, INPUT_IDS, LOSS_MASK, OFFSETS, SHARDS_DIR,
                           TARGET_IDS, TARGET_LOGPROBS, StorageSettings, _data_file)
 from store.identity import _mismatches, aux_capture_of, read_store_meta, storage_of
@@ -227,13 +227,12 @@ class StoreReader:
 
     @property
     def storage(self) -> StorageSettings:
-        """The settings the store was written with, in format 3's terms (formats 1 and 2 mapped)."""
+        """The settings the store was written with."""
         return self._storage
 
     @property
     def mode(self) -> str:
-        """The label of the store's preset (conf/store: lossless, fp8, ...; bf16, fp8 or fp32 in a
-        format 1 or 2 store)."""
+        """The label of the store's preset (conf/store: lossless, fp8, ...)."""
         return self._storage.mode
 
     @property
@@ -322,11 +321,10 @@ class StoreReader:
 
     @staticmethod
     def _decode_hidden(stored: np.ndarray, encoding: str, dtype: torch.dtype) -> torch.Tensor:
-        """A bf16 or fp32 hidden-state array's rows as `dtype` (bf16: byte planes, uint8, in
-        format 3; the uint16 bits in formats 1 and 2)."""
+        """A bf16 or fp32 hidden-state array's rows as `dtype` (bf16: byte planes, uint8)."""
         if encoding == "fp32":
             return torch.from_numpy(stored).to(dtype)
-        return (decode_bf16_planes(stored) if stored.dtype == np.uint8 else decode_bf16(stored)).to(dtype)
+        return decode_bf16_planes(stored).to(dtype)
 
     def _final_side(self, shard: _OpenShard, ref: SampleRef, loss_mask: torch.Tensor
                     ) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from typing import IO, Any
 import numpy as np
 import torch
 
+from config.choices import AuxCapture
 from data.records import Origin
 from data.rejection import Rejection, RejectionKind
 from infra import failpoint
@@ -25,7 +26,7 @@ from store.durable import (Manifest, ShardEntry, _all_manifests, _committed_shar
                            _manifest_path, _metadata_sha256, _nbytes_on_disk, _write_manifest)
 from store.format import (CORRUPT_PREFIX, FORMAT_VERSION, MANIFEST_DIR, OFFSETS, SHARDS_DIR, TMP_PREFIX,
                           StorageSettings, _shard_index, _shard_rank, _write_shard, shard_name)
-from store.identity import LEGACY_AUX_CAPTURE, _create_or_check_meta, _store_meta
+from store.identity import _create_or_check_meta, _store_meta
 from store.progress import clear_rank_state, clear_waiting, mark_done, read_retired, set_waiting, shards_bytes
 from store.reader import ShardCorruptError, _entry_of, _problem, _store_index, _verify_shard
 from store.sealed import fsync_dir, fsync_tree
@@ -122,7 +123,7 @@ class StoreWriter:
 
     def __init__(self, path: str | Path, identity: Mapping[str, Any], aux_layer_ids: Sequence[int],
                  storage_cfg: Mapping[str, Any], dump_cfg: Any = None, *, aux_convention: str,
-                 aux_capture: str = LEGACY_AUX_CAPTURE, rank: int | None = None,
+                 aux_capture: str = AuxCapture.residual_stream.value, rank: int | None = None,
                  world_size: int | None = None, target_head: torch.Tensor | None = None,
                  heldout: Callable[[str], bool] | None = None, max_bytes: int | None = None,
                  poll_s: float = 1.0):

@@ -274,39 +274,24 @@ def test_rejection_records_round_trip_through_a_store(tmp_path: Path) -> None:
     assert "rejected      'tool' at chats.jsonl:7, chat template: chat template failed" in text
 
 
-# The sentences manifests held before rejections were records, and the records they read as.
-LEGACY_REASONS = {
-    "a": ("chats.jsonl:4 (sample a): 300 tokens > max_len 256",
-          Rejection(RejectionKind.OVER_LONG, "a", "300 tokens > max_len 256", Origin("chats.jsonl", 4))),
-    "b:2": ("my:file.jsonl:12 (sample b:2): chat template failed: unknown role: tool",
-            Rejection(RejectionKind.CHAT_TEMPLATE, "b:2", "chat template failed: unknown role: tool",
-                      Origin("my:file.jsonl", 12))),
-    "c": ("sample c: no assistant token within 256 tokens",
-          Rejection(RejectionKind.NO_ASSISTANT_TOKEN, "c", "no assistant token within 256 tokens")),
-    "d": ("aux hidden states have 2 non-finite values (NaN/Inf); final hidden states have 1 non-finite "
-          "values (NaN/Inf)", Rejection(RejectionKind.NON_FINITE, "d", "aux hidden states have 2 non-finite "
-                                        "values (NaN/Inf); final hidden states have 1 non-finite values (NaN/Inf)")),
-    "e": ("no tokens", Rejection(RejectionKind.NO_TOKENS, "e", "no tokens")),
-    "f": ("no assistant turn", Rejection(RejectionKind.NO_ASSISTANT_TURN, "f", "no assistant turn")),
-    "g": ("the disk was tired", Rejection(RejectionKind.UNKNOWN, "g", "the disk was tired")),
-}
-
-
-def test_a_legacy_manifest_of_reason_strings_still_opens_and_resumes(tmp_path: Path) -> None:
+def test_a_manifest_of_reason_sentences_is_refused_naming_the_sample(tmp_path: Path) -> None:
+    """Manifests written before rejections were records kept a sentence per sample; this code
+    refuses one as damaged, naming the sample, and rebuilds it once moved away."""
     write_store(tmp_path, IDS[:4])
     file = _manifest_path(tmp_path, 0)
     raw = unseal_json(file.read_bytes())
-    raw["rejected"] = {sample: text for sample, (text, _) in LEGACY_REASONS.items()}
-    replace_sealed_json(file, raw)  # as an earlier version wrote it: checked, reasons as sentences
-    expected = {sample: record for sample, (_, record) in LEGACY_REASONS.items()}
-    assert _read_manifest(file).rejected == expected
-    assert inspect_store(tmp_path)["rejected_by_kind"]["unknown"] == 1
-    with open_writer(tmp_path) as writer:  # resumes: the rejected samples are done
-        assert set(LEGACY_REASONS) | set(IDS[:4]) <= writer.done_sample_ids()
-        writer.add(IDS[4], **make_sample(IDS[4]))
-    rewritten = unseal_json(file.read_bytes())["rejected"]
-    assert rewritten == {sample: record.to_json() for sample, record in expected.items()}
-    assert set(read_all(tmp_path)) == set(IDS[:5])
+    raw["rejected"] = {"a": "chats.jsonl:4 (sample a): 300 tokens > max_len 256"}
+    replace_sealed_json(file, raw)  # as an earlier version wrote it: checked, the reason a sentence
+    refusal = (f"{file} is damaged: .*rejection of sample 'a' is not a {{kind, file, line, reason}} record: "
+               "got str 'chats.jsonl:4 .*written by an older version of the dump.* move it away and rerun")
+    with pytest.raises(StoreCorruptError, match=refusal):
+        StoreReader(tmp_path)
+    with pytest.raises(StoreCorruptError, match=refusal):
+        open_writer(tmp_path)
+    assert inspect_store(tmp_path)["unreadable"]
+    file.rename(tmp_path / "old-manifest.json")  # as its message says
+    write_store(tmp_path, IDS[:5])
+    assert set(read_all(tmp_path)) == set(IDS[:5]) and StoreReader(tmp_path).verify() == []
 
 
 def test_a_rejection_of_a_kind_outside_the_set_is_a_damaged_manifest(tmp_path: Path) -> None:
@@ -349,50 +334,27 @@ def test_aux_capture_is_recorded_shown_and_must_match_on_resume(tmp_path: Path) 
         open_writer(tmp_path / "other", aux_capture="post_norm")
 
 
-def legacy_storage(block: dict[str, Any], mode: str) -> dict[str, Any]:
-    """A storage block as formats 1 and 2 wrote it: one mode (bf16, fp8, fp32) for both states."""
-    return {"mode": mode, **{k: block[k] for k in ("compressor", "target_chunk_bytes", "shard_bytes")}}
-
-
-def as_format_1(path: Path) -> None:
-    """Rewrite a store (written with bf16 encodings, every final row) as format-1 code wrote it,
-    before store.json named the aux capture: plain JSON without sha256 lines, manifest entries
-    without metadata hashes, one storage mode."""
-    meta = read_store_meta(path)
-    del meta["aux_capture"]
-    meta["storage"] = legacy_storage(meta["storage"], "bf16")
-    (path / STORE_META).write_text(json.dumps({**meta, "format_version": 1}))
-    for file in (path / MANIFEST_DIR).glob("rank-*.json"):
-        manifest = _read_manifest(file)
-        shards = [{k: v for k, v in asdict(s).items() if k != "metadata_sha256"} for s in manifest.shards]
-        file.write_text(json.dumps({"format_version": 1, "rank": manifest.rank, "shards": shards,
-                                    "rejected": {k: r.reason for k, r in manifest.rejected.items()}}))
-    for shard in (path / SHARDS_DIR).iterdir():
-        group = json.loads((shard / "zarr.json").read_text())
-        del group["attributes"]["aux_capture"]
-        group["attributes"]["format_version"] = 1
-        group["attributes"]["storage"] = meta["storage"]
-        (shard / "zarr.json").write_text(json.dumps(group))
-
-
-def test_format_1_store_reads_as_residual_stream_and_is_not_written_to(tmp_path: Path) -> None:
-    write_store(tmp_path, IDS[:6], storage(final_rows="all"))
-    as_format_1(tmp_path)
-    reader = StoreReader(tmp_path)
-    assert reader.aux_capture == "residual_stream" and reader.verify() == []
-    assert (reader.mode, reader.aux_encoding, reader.final_encoding, reader.final_rows) == \
-        ("bf16", "bf16", "bf16", "all")
-    samples = read_all(tmp_path)
-    assert set(samples) == set(IDS[:6])
-    for sample_id, sample in samples.items():
-        np.testing.assert_array_equal(encode_bf16(sample.final), encode_bf16(make_sample(sample_id)["final"]))
-    text = format_inspect(inspect_store(tmp_path))
-    assert "residual_stream capture" in text and "(format 1)" in text and "carry no checksum" in text
-    with pytest.raises(StoreMismatchError, match="format version 1, this code writes version 3"):
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_store_of_an_older_format_is_refused_naming_its_version(tmp_path: Path, version: int) -> None:
+    """Formats 1 (no sha256 line anywhere) and 2 (sealed, one storage mode) are not read any more:
+    the reader, a resuming writer and inspect refuse the store by its version, never as damage."""
+    write_store(tmp_path, IDS[:4])
+    meta = {**read_store_meta(tmp_path), "format_version": version}
+    if version == 1:
+        (tmp_path / STORE_META).write_text(json.dumps(meta))
+    else:
+        replace_sealed_json(tmp_path / STORE_META, meta)
+    refusal = (f"store {tmp_path} has format version {version}: it was written by an older version of the "
+               "dump, whose stores are not read any more .*dump again into a new store folder")
+    with pytest.raises(StoreMismatchError, match=refusal):
+        StoreReader(tmp_path)
+    with pytest.raises(StoreMismatchError, match=refusal):
         open_writer(tmp_path)
+    report = inspect_store(tmp_path)
+    assert report["unreadable"] and "older version of the dump" in report["problems"][0]
 
 
-def test_a_checked_json_file_without_its_sha256_line_is_not_read_as_format_1(tmp_path: Path) -> None:
+def test_a_checked_json_file_without_its_sha256_line_is_damaged(tmp_path: Path) -> None:
     write_store(tmp_path, IDS[:6])
     manifest = tmp_path / MANIFEST_DIR / "rank-00000.json"
     for file in (tmp_path / STORE_META, manifest):

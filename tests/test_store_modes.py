@@ -1,12 +1,10 @@
 """The storage encodings of the store (conf/store presets: lossless, fp32, fp8, fp4, compact) on
 real Zarr stores on disk: each round-trips within its stated bound, final_rows loss keeps exactly
-the target rows, stores of other settings, newer formats and unknown encodings are refused, and
-format-2 stores are read with their one mode mapped."""
+the target rows, and stores of other settings, newer formats and unknown encodings are refused
+(older formats: tests/test_store.py)."""
 from __future__ import annotations
 
-import json
 import zlib
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +14,6 @@ import torch
 
 from store import (
     FINAL_OFFSETS,
-    MANIFEST_DIR,
     SHARDS_DIR,
     STORE_META,
     TARGET_LOGPROBS,
@@ -33,10 +30,8 @@ from store import (
     read_store_meta,
     target_rows,
 )
-from store.durable import _metadata_sha256, _read_manifest
-from store.sealed import replace_sealed_json, write_sealed_json
-from tests.test_store import (AUX_IDS, IDENTITY, IDS, N_AUX, VOCAB, H, _flip_byte_in_chunk, legacy_storage,
-                              make_sample, storage)
+from store.sealed import write_sealed_json
+from tests.test_store import AUX_IDS, IDENTITY, IDS, N_AUX, VOCAB, H, _flip_byte_in_chunk, make_sample, storage
 
 # The verifier's lm_head for the top-k presets: logits of a few units, as a trained head gives.
 HEAD = torch.randn(VOCAB, H, generator=torch.Generator().manual_seed(7)) / H**0.5 * 4
@@ -269,7 +264,7 @@ def rewrite_store_json(path: Path, change: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("change, expected", [
-    ({"format_version": 4}, "has format version 4; this code reads versions 1 to 3: upgrade it"),
+    ({"format_version": 4}, "has format version 4; this code reads version 3: upgrade it"),
     ({"storage.aux": "fp2"}, "aux encoding 'fp2' is not one of bf16, fp32, fp8, fp4.*upgrade it"),
     ({"storage.final": "topk-entropy"}, "final encoding 'topk-entropy'.*upgrade it"),
 ])
@@ -283,44 +278,6 @@ def test_a_newer_format_or_unknown_encoding_is_refused_on_open(tmp_path: Path, c
         open_writer(tmp_path, storage("lossless"))
     report = inspect_store(tmp_path)
     assert report["unreadable"] and str(tmp_path) in report["problems"][0]
-
-
-def as_format_2(path: Path, mode: str) -> None:
-    """Rewrite a store written with the encodings a format-2 mode meant (every final row) as
-    format-2 code wrote it: one storage mode in store.json and each shard's attributes, and the
-    manifests' hashes of the changed zarr.json files."""
-    meta = read_store_meta(path)
-    meta |= {"format_version": 2, "storage": legacy_storage(meta["storage"], mode)}
-    write_sealed_json(path / STORE_META, meta)
-    for shard in (path / SHARDS_DIR).iterdir():
-        group = json.loads((shard / "zarr.json").read_text())
-        group["attributes"] |= {"format_version": 2, "storage": meta["storage"]}
-        (shard / "zarr.json").write_text(json.dumps(group))
-    for file in (path / MANIFEST_DIR).glob("rank-*.json"):
-        manifest = _read_manifest(file)
-        for entry in manifest.shards:
-            entry.metadata_sha256 = _metadata_sha256(path / SHARDS_DIR / entry.name)
-        replace_sealed_json(file, {"format_version": 2, **asdict(manifest)})
-
-
-@pytest.mark.parametrize("mode, preset", [("bf16", "lossless"), ("fp8", "fp8"), ("fp32", "fp32")])
-def test_format_2_stores_are_read_with_the_legacy_mapping(tmp_path: Path, mode: str, preset: str) -> None:
-    write(tmp_path, storage(preset, final_rows="all"), {s: make_sample(s) for s in IDS[:6]})
-    before = {ref.sample_id: StoreReader(tmp_path).read_sample(ref, torch.float32)
-              for ref in StoreReader(tmp_path).samples()}
-    as_format_2(tmp_path, mode)
-    reader = StoreReader(tmp_path)
-    aux, final = {"bf16": ("bf16", "bf16"), "fp8": ("fp8", "bf16"), "fp32": ("fp32", "fp32")}[mode]
-    assert (reader.mode, reader.aux_encoding, reader.final_encoding, reader.final_rows) == (mode, aux, final, "all")
-    assert reader.verify() == []
-    for ref in reader.samples():
-        sample = reader.read_sample(ref, torch.float32)
-        assert torch.equal(sample.aux, before[ref.sample_id].aux)
-        assert torch.equal(sample.final, before[ref.sample_id].final)
-    report = inspect_store(tmp_path)
-    assert report["problems"] == [] and report["format_version"] == 2 and report["mode"] == mode
-    with pytest.raises(StoreMismatchError, match="format version 2, this code writes version 3"):
-        open_writer(tmp_path, storage(preset, final_rows="all"))
 
 
 def test_inspect_lists_the_mode_encodings_and_bytes_per_array(tmp_path: Path) -> None:

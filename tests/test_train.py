@@ -183,19 +183,6 @@ def test_export_loads_back_with_the_trained_weights(zero_runs: dict[str, Path], 
     assert torch.isfinite(step.logits).all()
 
 
-def test_export_finds_the_runs_verifier_in_its_saved_config(tmp_path: Path, draft_verifier_dir: Path) -> None:
-    """`python -m train export` reads the verifier of a Hydra run (a Kimi-K3 export ships its
-    embedding), and knows none for a run folder without one."""
-    from omegaconf import OmegaConf
-
-    from train.run_folder import RunFolder
-
-    assert RunFolder(tmp_path).trained_verifier() is None
-    (tmp_path / ".hydra").mkdir()
-    OmegaConf.save(compose_config("train", [f"verifier.path={draft_verifier_dir}"]), tmp_path / ".hydra" / "config.yaml")
-    assert RunFolder(tmp_path).trained_verifier() == draft_verifier_dir
-
-
 def test_precision_auto_is_bf16_on_accelerators_and_on_this_cpu_by_its_flags() -> None:
     from infra import cpu_flags
 

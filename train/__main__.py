@@ -84,8 +84,7 @@ def export_main(argv: list[str]) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--verifier", type=Path, default=None,
                         help="the verifier folder (a Kimi-K3 export ships its embedding); default: the one "
-                             "the checkpoint's complete.json names (for older checkpoints: the run's "
-                             "<run>/.hydra/config.yaml)")
+                             "the checkpoint's complete.json names")
     args = parser.parse_args(argv)
     folder = find_checkpoint(args.checkpoint)
     source = checkpoint_draft(folder)

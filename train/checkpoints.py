@@ -7,10 +7,9 @@ the folder (relative path: bytes and sha256) and what the run adds (step, loss, 
 a checkpoint is resumed from only when the marker and every file it lists verify, so a partial
 save, a truncated file or a flipped bit is refused by name, never loaded.
 
-Marker formats:
-    2  sealed JSON (store/sealed.py: compact JSON, then a sha256 line), the one written;
-    1  JSON sealed by its own field marker_sha256 (the sha256 of its canonical JSON), written
-       before: still verified and resumed from (`_read_format_1`, the only reader of it).
+The marker is format 2: sealed JSON (store/sealed.py: compact JSON, then a sha256 line), the
+only one written and read. A marker of an older trainer (format 1, JSON sealed by its own field
+marker_sha256, or one from before it) is refused by name, as any marker of another format is.
 """
 from __future__ import annotations
 
@@ -32,9 +31,7 @@ logger = logging.getLogger(__name__)
 
 COMPLETE = "complete.json"
 MARKER_FORMAT = 2
-FORMAT_1 = 1
-_MARKER_TMP = f".{COMPLETE}."        # replace_sealed_json's tmp files (and format 1's .complete.json.tmp)
-_FORMAT_1_SEAL = "marker_sha256"
+_MARKER_TMP = f".{COMPLETE}."        # replace_sealed_json's tmp files
 TAG_PREFIX = "step-"
 _CHUNK = 1 << 24
 
@@ -88,7 +85,7 @@ def _read_marker(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
     try:
         marker = unseal_json(raw)
     except NotSealedError:
-        return _read_format_1(raw)
+        return None, _unsealed_problem(raw)
     except SealMismatchError:
         return None, f"file {COMPLETE} does not match the sha256 on its last line: it changed after the save"
     if not isinstance(marker, dict) or marker.get("format") != MARKER_FORMAT or "files" not in marker:
@@ -98,30 +95,19 @@ def _read_marker(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
     return marker, None
 
 
-def _format_1_bytes(body: Mapping[str, Any]) -> bytes:
-    """A format-1 marker's bytes: body plus the hash of its canonical JSON, indented."""
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    sealed = {**body, _FORMAT_1_SEAL: hashlib.sha256(canonical).hexdigest()}
-    return (json.dumps(sealed, sort_keys=True, indent=1) + "\n").encode()
-
-
-def _read_format_1(raw: bytes) -> tuple[dict[str, Any] | None, str | None]:
-    """A marker written before markers were sealed JSON; reading back requires its exact bytes,
-    so a change of any byte is seen, whitespace included."""
+def _unsealed_problem(raw: bytes) -> str:
+    """What a complete.json without a sha256 line is: damaged, or a marker of an older trainer
+    (format 1, sealed by its own marker_sha256 field, or before it one without file hashes),
+    refused by name rather than as damage."""
     try:
         marker = json.loads(raw)
     except ValueError:
         marker = None
-    if not isinstance(marker, dict):
-        return None, (f"file {COMPLETE} is damaged: it does not end with its sha256 line and is not a "
-                      f"format-{FORMAT_1} marker either")
-    if _FORMAT_1_SEAL not in marker:
-        return None, (f"file {COMPLETE} carries neither a sha256 line nor {_FORMAT_1_SEAL} (damaged, or "
-                      "written by an older version that recorded no file hashes)")
-    if marker.get("format") != FORMAT_1 or _format_1_bytes({k: v for k, v in marker.items()
-                                                              if k != _FORMAT_1_SEAL}) != raw:
-        return None, f"file {COMPLETE} does not match its own checksum ({_FORMAT_1_SEAL}): it changed after the save"
-    return marker, None
+    if isinstance(marker, dict) and marker.get("format") != MARKER_FORMAT:
+        what = "a format-1 marker" if marker.get("format") == 1 else "a marker without file hashes"
+        return (f"file {COMPLETE} was written by an older version of the trainer ({what}) and is not "
+                "read any more")
+    return f"file {COMPLETE} is damaged: it does not end with its sha256 line"
 
 
 # ---- verification ----------------------------------------------------------------------------

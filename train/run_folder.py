@@ -14,9 +14,6 @@ carries so that it exports (or resumes) from its own folder alone:
                                    marker also records the verifier folder)
         draft/                     the exported vLLM draft (its README.md: model/card.py)
         summary.json               what `fit` returns
-
-Checkpoints saved before they carried their draft config take it, their vocabulary and the
-verifier from the run folder holding them (`checkpoint_draft`, the one place that does).
 """
 from __future__ import annotations
 
@@ -26,12 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from model.checkpoint import draft_config_from_json
 from model.draft import DraftConfig
-from model.verifier import verifier_dir
 from train.checkpoints import checkpoint_marker, newest_verified, save_checkpoint, verified_checkpoint
 
 METRICS = "metrics.jsonl"
@@ -43,7 +38,6 @@ CHECKPOINTS = "checkpoints"
 EXPORT_DIR = "draft"
 SUMMARY = "summary.json"
 FOLLOW = "follow.json"
-HYDRA_CONFIG = Path(".hydra") / "config.yaml"
 _VERIFIER = "verifier"        # the marker's record of the verifier folder
 
 
@@ -61,19 +55,13 @@ class RunFolder:
     export_dir: Path = field(init=False)
     summary: Path = field(init=False)
     follow: Path = field(init=False)
-    hydra_config: Path = field(init=False)
 
     def __post_init__(self) -> None:
         layout = {"metrics": METRICS, "heldout_samples": HELDOUT_SAMPLES, "tensorboard": TENSORBOARD, "draft_config": DRAFT_CONFIG,
                   "vocab": VOCAB, "checkpoints": CHECKPOINTS, "export_dir": EXPORT_DIR,
-                  "summary": SUMMARY, "follow": FOLLOW, "hydra_config": HYDRA_CONFIG}
+                  "summary": SUMMARY, "follow": FOLLOW}
         for name, relative in layout.items():
             object.__setattr__(self, name, self.root / relative)     # frozen: set once, here
-
-    @classmethod
-    def holding(cls, checkpoint: Path) -> RunFolder:
-        """The run folder a checkpoint folder was saved in (<run>/checkpoints/step-N)."""
-        return cls(Path(checkpoint).resolve().parent.parent)
 
     def resolve_resume(self, resume: str | None) -> Path | None:
         """train.resume -> the verified checkpoint to load, or None for a fresh start.
@@ -98,11 +86,6 @@ class RunFolder:
     def write_summary(self, summary: dict[str, Any]) -> None:
         self.summary.write_text(json.dumps(summary, indent=2, default=str) + "\n")
 
-    def trained_verifier(self) -> Path | None:
-        """The verifier folder the run was trained against, from the config Hydra saved in it."""
-        saved = self.hydra_config
-        return verifier_dir(OmegaConf.load(saved).verifier) if saved.exists() else None
-
 
 def find_checkpoint(path: Path) -> Path:
     """A checkpoint folder, a checkpoints folder or a run folder -> the verified checkpoint it
@@ -121,19 +104,14 @@ class CheckpointDraft:
 
 
 def checkpoint_draft(folder: Path) -> CheckpointDraft:
-    """The draft config, d2t and verifier folder of a checkpoint, from the checkpoint itself; one
-    saved before checkpoints carried them (no draft_config.json in it) takes them from the run
-    folder holding it. The marker is checked against its seal (FileNotFoundError where neither
-    has a draft config)."""
+    """The draft config, d2t and verifier folder of a checkpoint, from the checkpoint itself (every
+    checkpoint with a format-2 marker carries them). The marker is checked against its seal
+    (FileNotFoundError where the draft config is missing)."""
     marker = checkpoint_marker(folder)
-    if (folder / DRAFT_CONFIG).is_file():
-        config, vocab = folder / DRAFT_CONFIG, folder / VOCAB
-        verifier = Path(marker[_VERIFIER]) if marker.get(_VERIFIER) else None
-    else:
-        run = RunFolder.holding(folder)
-        config, vocab, verifier = run.draft_config, run.vocab, run.trained_verifier()
-        if not config.is_file():
-            raise FileNotFoundError(f"checkpoint {folder} carries no {DRAFT_CONFIG}, and the run folder "
-                                    f"{run.root} that would hold it has none either")
+    config, vocab = folder / DRAFT_CONFIG, folder / VOCAB
+    verifier = Path(marker[_VERIFIER]) if marker.get(_VERIFIER) else None
+    if not config.is_file():
+        raise FileNotFoundError(f"checkpoint {folder} carries no {DRAFT_CONFIG} (every checkpoint the "
+                                "trainer saves does): it was removed since the save")
     d2t = load_file(str(vocab))["d2t"] if vocab.exists() else None
     return CheckpointDraft(draft_config_from_json(json.loads(config.read_text()), config), d2t, verifier)
