@@ -274,6 +274,15 @@ def test_rejection_records_round_trip_through_a_store(tmp_path: Path) -> None:
     assert "rejected      'tool' at chats.jsonl:7, chat template: chat template failed" in text
 
 
+def _refused_on_open(store: Path, error: type[Exception], refusal: str) -> dict:
+    """The reader and a resuming writer refuse the store with this message; inspect's report of it."""
+    with pytest.raises(error, match=refusal):
+        StoreReader(store)
+    with pytest.raises(error, match=refusal):
+        open_writer(store)
+    return inspect_store(store)
+
+
 def test_a_manifest_of_reason_sentences_is_refused_naming_the_sample(tmp_path: Path) -> None:
     """Manifests written before rejections were records kept a sentence per sample; this code
     refuses one as damaged, naming the sample, and rebuilds it once moved away."""
@@ -284,11 +293,7 @@ def test_a_manifest_of_reason_sentences_is_refused_naming_the_sample(tmp_path: P
     replace_sealed_json(file, raw)  # as an earlier version wrote it: checked, the reason a sentence
     refusal = (f"{file} is damaged: .*rejection of sample 'a' is not a {{kind, file, line, reason}} record: "
                "got str 'chats.jsonl:4 .*written by an older version of the dump.* move it away and rerun")
-    with pytest.raises(StoreCorruptError, match=refusal):
-        StoreReader(tmp_path)
-    with pytest.raises(StoreCorruptError, match=refusal):
-        open_writer(tmp_path)
-    assert inspect_store(tmp_path)["unreadable"]
+    assert _refused_on_open(tmp_path, StoreCorruptError, refusal)["unreadable"]
     file.rename(tmp_path / "old-manifest.json")  # as its message says
     write_store(tmp_path, IDS[:5])
     assert set(read_all(tmp_path)) == set(IDS[:5]) and StoreReader(tmp_path).verify() == []
@@ -346,11 +351,7 @@ def test_a_store_of_an_older_format_is_refused_naming_its_version(tmp_path: Path
         replace_sealed_json(tmp_path / STORE_META, meta)
     refusal = (f"store {tmp_path} has format version {version}: it was written by an older version of the "
                "dump, whose stores are not read any more .*dump again into a new store folder")
-    with pytest.raises(StoreMismatchError, match=refusal):
-        StoreReader(tmp_path)
-    with pytest.raises(StoreMismatchError, match=refusal):
-        open_writer(tmp_path)
-    report = inspect_store(tmp_path)
+    report = _refused_on_open(tmp_path, StoreMismatchError, refusal)
     assert report["unreadable"] and "older version of the dump" in report["problems"][0]
 
 
