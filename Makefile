@@ -41,8 +41,11 @@ clean-setup:
 verifier: setup
 	$(PY) -m tools.build_verifier $(ARGS)
 
+# JOBS: pytest workers (pytest-xdist; 0 runs the tests in this process). Each worker starts its own
+# engines, so more workers than cores only adds memory.
+JOBS ?= 2
 test: setup
-	$(PY) -m pytest -q --durations=15 $(ARGS)
+	$(PY) -m pytest -q -n $(JOBS) --dist worksteal --durations=15 $(ARGS)
 
 # `make faults [N=20]`: the fault-injection suite (tests marked `faults`: kills of the dump, the
 # store writer and the trainer at N seeded points each, flipped bits in every kind of file, full

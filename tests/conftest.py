@@ -16,6 +16,11 @@ from model.verifier import verifier_dir
 
 # Before any test module imports transformers or vLLM (none of the imports above does).
 infra.configure_environment()
+# `make test` runs two pytest workers, each with its engines, beside the engines the tests' own
+# `python -m dump` processes start: 1 GiB of KV cache each (conf/engine/cpu.yaml reads vLLM's
+# variable) holds every sequence kimi-tiny's tests decode at once, where the default 4 would
+# overcommit this 24 GiB machine.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
