@@ -81,22 +81,35 @@ def lr_at(step: int, cfg: DictConfig) -> float:
     return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-@torch.no_grad()
+def heldout_windows(eval_ids: torch.Tensor, seq_len: int) -> list[torch.Tensor]:
+    """The held-out stream cut into windows of seq_len + 1 tokens, in batches of 8 windows."""
+    windows = eval_ids[: (len(eval_ids) // (seq_len + 1)) * (seq_len + 1)].view(-1, seq_len + 1)
+    return list(windows.split(8))
+
+
+def batch_loss_sum(model: DeepseekV3ForCausalLM, batch: torch.Tensor, autocast: bool) -> float:
+    """Summed next-token cross-entropy (nats) of one batch of windows."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = model(input_ids=batch[:, :-1]).logits.float()
+    return float(torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"))
+
+
+def evaluate_sums(model: DeepseekV3ForCausalLM, eval_ids: torch.Tensor, seq_len: int,
+                  autocast: bool) -> list[float]:
+    """batch_loss_sum of every batch of heldout_windows, in order."""
+    model.eval()
+    with torch.no_grad():
+        sums = [batch_loss_sum(model, batch, autocast) for batch in heldout_windows(eval_ids, seq_len)]
+    model.train()
+    return sums
+
+
 def evaluate(model: DeepseekV3ForCausalLM, eval_ids: torch.Tensor, seq_len: int,
              autocast: bool) -> float:
     """Mean next-token cross-entropy (nats) over held-out windows of seq_len + 1 tokens."""
-    model.eval()
-    windows = eval_ids[: (len(eval_ids) // (seq_len + 1)) * (seq_len + 1)].view(-1, seq_len + 1)
-    total, count = 0.0, 0
-    for batch in windows.split(8):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            logits = model(input_ids=batch[:, :-1]).logits.float()
-        loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum")
-        total += float(loss)
-        count += batch[:, 1:].numel()
-    model.train()
-    return total / count
+    sums = evaluate_sums(model, eval_ids, seq_len, autocast)
+    return sum(sums) / sum(batch[:, 1:].numel() for batch in heldout_windows(eval_ids, seq_len))
 
 
 def train_model(model: DeepseekV3ForCausalLM, train_ids: torch.Tensor, eval_ids: torch.Tensor,
@@ -197,13 +210,16 @@ def main(cfg: DictConfig) -> None:
     save_verifier(model, tokenizer, arch, staging)
     # The card's figures come from the shipped bf16 weights, run in fp32.
     shipped = DeepseekV3ForCausalLM.from_pretrained(staging, dtype=torch.float32)
-    heldout = evaluate(shipped, eval_ids, tcfg.seq_len, autocast=False)
+    # Per batch too, so that a check of the shipped weights can recompute a few batches.
+    heldout_sums = evaluate_sums(shipped, eval_ids, tcfg.seq_len, autocast=False)
+    heldout = sum(heldout_sums) / sum(b[:, 1:].numel() for b in heldout_windows(eval_ids, tcfg.seq_len))
     facts = {
         "parameters": sum(p.numel() for p in shipped.parameters()),
         "training_tokens": tcfg.steps * tcfg.batch_size * tcfg.seq_len,
         "train_wall_s": train_wall,
         "build_wall_s": time.time() - t0,
         "heldout_loss": heldout,
+        "heldout_batch_loss_sums": heldout_sums,
         "heldout_tokens": len(eval_ids) - 1,
         "unigram_loss": unigram,
         "data": stats.summary(),
