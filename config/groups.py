@@ -137,7 +137,9 @@ class CompressorConf:
 
 @dataclass
 class StoreConf:
-    """conf/store/<preset>.yaml: how hidden states are encoded and chunked."""
+    """conf/store/<preset>.yaml: how hidden states are encoded and chunked. The one type of a
+    store's settings: store/settings.py checks a node into it and reads store.json's "storage"
+    block back into it (there max_bytes and poll_s, a running dump's, are not recorded)."""
 
     mode: str
     aux: AuxEncoding

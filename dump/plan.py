@@ -52,7 +52,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from dump.capture import PIECE_BYTES, capture_spec
-from store.format import StorageSettings
+from store.settings import raw_bytes_per_token, storage_settings
 
 GIB = 1024**3
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
@@ -110,7 +110,7 @@ def call_spec(cfg: DictConfig) -> CallSpec:
         max_num_batched_tokens=engine.max_num_batched_tokens,
         gpu_memory_utilization=utilization,
         piece_bytes=PIECE_BYTES, shard_bytes=cfg.store.shard_bytes,
-        stored_bytes_per_token=StorageSettings.from_cfg(cfg.store).raw_bytes_per_token(hidden, num_aux))
+        stored_bytes_per_token=raw_bytes_per_token(storage_settings(cfg.store), hidden, num_aux))
 
 
 def _executor(engine: DictConfig, workers: int) -> str:

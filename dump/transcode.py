@@ -18,15 +18,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
 from tqdm import tqdm
 
 from dump.pipeline import target_head_for
 from infra import resolve
 from config import compose_config
+from config.groups import StoreConf
 from model.verifier import verifier_dir
 from model.verifier_handle import Verifier
-from store import StoreReader, StoreWriter
+from store import StoreReader, StoreWriter, storage_settings
 
 # Finer first: a destination may take an encoding at this rank or after its source's.
 _AUX_PRECISION = ("fp32", "bf16", "fp8", "fp4")
@@ -37,19 +37,19 @@ class TranscodeError(ValueError):
     """A conversion that would claim more than the source holds."""
 
 
-def check_conversion(source: StoreReader, storage: DictConfig | dict[str, Any]) -> None:
+def check_conversion(source: StoreReader, storage: StoreConf) -> None:
     """Refuse a destination more exact than the source, naming the source and the setting."""
     src = f"store {source.path}"
-    aux, final = storage["aux"], storage["final"]
+    aux, final = storage.aux, storage.final
     if _AUX_PRECISION.index(aux) < _AUX_PRECISION.index(source.aux_encoding):
         raise TranscodeError(f"{src} keeps aux states as {source.aux_encoding}: it cannot give {aux}")
     if source.final_encoding == "topk":
-        if final != "topk" or storage["topk"] > source.topk:
+        if final != "topk" or storage.topk > source.topk:
             raise TranscodeError(f"{src} keeps the top-{source.topk} targets only: it cannot give "
-                                 f"final {final}" + (f" with topk {storage['topk']}" if final == "topk" else ""))
+                                 f"final {final}" + (f" with topk {storage.topk}" if final == "topk" else ""))
     elif _FINAL_PRECISION.index(final) < _FINAL_PRECISION.index(source.final_encoding):
         raise TranscodeError(f"{src} keeps final states as {source.final_encoding}: it cannot give {final}")
-    if source.final_rows == "loss" and storage["final_rows"] == "all":
+    if source.final_rows == "loss" and storage.final_rows == "all":
         raise TranscodeError(f"{src} keeps final states on target rows only: it cannot give final_rows all")
 
 
@@ -59,7 +59,7 @@ def transcode(src: str | Path, dst: str | Path, overrides: list[str] | None = No
     summary (samples, tokens, seconds, tokens/s of the writer, bytes/token of `dst`)."""
     source = StoreReader(resolve(src))
     cfg = compose_config("dump", list(overrides or []))
-    check_conversion(source, cfg.store)
+    check_conversion(source, storage_settings(cfg.store))
     verifier = Verifier.open(verifier_dir(cfg.verifier), cfg.verifier.name)
     identity = verifier.identity
     if identity != source.identity:

@@ -35,7 +35,8 @@ unknown); reason says what exactly was wrong. A rejected sample is done: a resum
 A manifest that maps an id to anything else (the sentence older versions kept) is refused as
 damaged, naming the sample.
 
-Storage settings (conf/store/*.yaml; store.json's "storage" block): `mode`, a label (the preset's
+Storage settings (conf/store/*.yaml; store.json's "storage" block; one type, config.groups.StoreConf,
+checked and recorded by store/settings.py): `mode`, a label (the preset's
 name: lossless, fp8, fp4, compact, fp32), and what decides the bytes: `aux`, the encoding of the
 aux hidden states (bf16 | fp32 | fp8 | fp4, with `fp4_block` values per scale); `final`, that of
 the final hidden state (bf16 | fp32 | topk, with `topk` = k); `final_rows`, which rows of it are
@@ -98,7 +99,6 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +109,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
 from config.choices import AuxEncoding, FinalEncoding, FinalRows, names
+from config.groups import CompressorConf, StoreConf
 from infra import failpoint
 
 FORMAT_VERSION = 3  # the only one read and written (the module's docstring)
@@ -137,102 +138,16 @@ OFFSETS = "sample_offsets"
 FINAL_OFFSETS = "final_offsets"
 
 
-@dataclass(frozen=True)
-class StorageSettings:
-    """conf/store/*.yaml; store.json's "storage" block."""
+def final_arrays(storage: StoreConf) -> tuple[str, ...]:
+    """The arrays of the final side, whose rows final_rows chooses."""
+    return (TARGET_IDS, TARGET_LOGPROBS) if storage.final == "topk" else (FINAL,)
 
-    mode: str                   # the preset's label (MODES), recorded and shown
-    aux: str                    # one of AUX_ENCODINGS
-    final: str                  # one of FINAL_ENCODINGS
-    final_rows: str             # one of FINAL_ROWS
-    compressor: dict[str, Any]  # {name: zstd, level} | {name: blosc, cname, clevel, shuffle} | {name: none}
-    target_chunk_bytes: int     # uncompressed bytes per chunk of each array
-    shard_bytes: int            # uncompressed bytes a rank buffers before committing a shard
-    topk: int = 32              # k, where final == topk
-    fp4_block: int = 32         # values per fp4 scale, where aux == fp4; must divide H
 
-    @classmethod
-    def from_cfg(cls, cfg: Mapping[str, Any]) -> StorageSettings:
-        """The settings of a config node, checked (ValueError says what is wrong)."""
-        values = _plain(cfg)
-        missing = [k for k in ("mode", "aux", "final", "final_rows") if k not in values]
-        if missing:
-            raise ValueError(f"storage settings lack {', '.join(missing)}: conf/store/*.yaml sets "
-                             "them (mode is the preset's label, aux/final/final_rows the encodings)")
-        # Plain names (a choice may come as its StrEnum member, whose repr would reach messages).
-        settings = cls(mode=str(values["mode"]), aux=str(values["aux"]), final=str(values["final"]),
-                       final_rows=str(values["final_rows"]),
-                       # The codec's own keys only (conf/store's schema has every codec's, unset ones None).
-                       compressor={k: v for k, v in values["compressor"].items() if v is not None},
-                       target_chunk_bytes=values["target_chunk_bytes"], shard_bytes=values["shard_bytes"],
-                       topk=values["topk"], fp4_block=values["fp4_block"])
-        settings.check()
-        _compressor_codec(settings.compressor)  # fail on a bad compressor now, not at the first shard
-        if settings.target_chunk_bytes < 1 or settings.shard_bytes < 1:
-            raise ValueError("target_chunk_bytes and shard_bytes must be positive")
-        return settings
-
-    def raw_bytes_per_token(self, hidden_size: int, num_aux: int) -> float:
-        """Bytes a writer buffers per token before compression (the arrays above at their stored
-        widths), the final side on every row: an upper bound where final_rows is loss."""
-        per_value = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0, "fp4": 0.5}[self.aux]
-        scales = {"fp8": 4 / hidden_size, "fp4": 2 / self.fp4_block}.get(self.aux, 0.0)
-        final = {"fp32": 4.0 * hidden_size, "bf16": 2.0 * hidden_size, "topk": (4 + 2) * self.topk}[self.final]
-        return (4 + 1) + num_aux * hidden_size * (per_value + scales) + final   # + int32 id, bool mask
-
-    @classmethod
-    def from_record(cls, storage: Mapping[str, Any]) -> StorageSettings:
-        """The settings store.json (or a shard's attributes) records. ValueError names an
-        encoding this code does not know."""
-        settings = cls(mode=str(storage.get("mode")), aux=storage.get("aux"), final=storage.get("final"),
-                       final_rows=storage.get("final_rows"), topk=int(storage.get("topk", 32)),
-                       fp4_block=int(storage.get("fp4_block", 32)),
-                       compressor=dict(storage.get("compressor") or {"name": "none"}),
-                       target_chunk_bytes=int(storage.get("target_chunk_bytes", 1)),
-                       shard_bytes=int(storage.get("shard_bytes", 1)))
-        settings.check()
-        return settings
-
-    def check(self) -> None:
-        """Each encoding one this code knows, and its parameter sensible (the checks that need
-        H and the vocabulary are the writer's)."""
-        if not isinstance(self.mode, str) or not self.mode:
-            raise ValueError(f"storage mode {self.mode!r}: a preset's name, such as {MODES}")
-        for what, value, known in (("aux encoding", self.aux, AUX_ENCODINGS),
-                                   ("final encoding", self.final, FINAL_ENCODINGS),
-                                   ("final_rows", self.final_rows, FINAL_ROWS)):
-            if value not in known:
-                raise ValueError(f"storage {what} {value!r} is not one of {', '.join(known)}")
-        if self.final == "topk" and self.topk < 1:
-            raise ValueError(f"storage topk {self.topk}: k must be at least 1")
-        if self.aux == "fp4" and self.fp4_block < 1:
-            raise ValueError(f"storage fp4_block {self.fp4_block}: must be positive")
-
-    def encodings(self) -> dict[str, Any]:
-        """What decides the bytes of the hidden-state arrays: the encodings and the parameters
-        they use (a store's writers must agree on these)."""
-        found: dict[str, Any] = {"aux": self.aux, "final": self.final, "final_rows": self.final_rows}
-        if self.aux == "fp4":
-            found["fp4_block"] = self.fp4_block
-        if self.final == "topk":
-            found["topk"] = self.topk
-        return found
-
-    def final_arrays(self) -> tuple[str, ...]:
-        """The arrays of the final side, whose rows final_rows chooses."""
-        return (TARGET_IDS, TARGET_LOGPROBS) if self.final == "topk" else (FINAL,)
-
-    def arrays(self) -> tuple[str, ...]:
-        """Every array a shard written with these settings holds."""
-        scale = (AUX_SCALE,) if self.aux in ("fp8", "fp4") else ()
-        offsets = (FINAL_OFFSETS,) if self.final_rows == "loss" else ()
-        return (INPUT_IDS, LOSS_MASK, AUX, *scale, *self.final_arrays(), OFFSETS, *offsets)
-
-    def describe(self) -> str:
-        """One line: the label and the encodings."""
-        aux = f"aux {self.aux}" + (f" (blocks of {self.fp4_block})" if self.aux == "fp4" else "")
-        final = f"final {self.final}" + (f" (k={self.topk})" if self.final == "topk" else "")
-        return f"{self.mode}: {aux}, {final}, final rows {self.final_rows}"
+def shard_arrays(storage: StoreConf) -> tuple[str, ...]:
+    """Every array a shard written with these settings (store/settings.py) holds."""
+    scale = (AUX_SCALE,) if storage.aux in ("fp8", "fp4") else ()
+    offsets = (FINAL_OFFSETS,) if storage.final_rows == "loss" else ()
+    return (INPUT_IDS, LOSS_MASK, AUX, *scale, *final_arrays(storage), OFFSETS, *offsets)
 
 
 def _plain(value: Any) -> Any:
@@ -242,17 +157,17 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _compressor_codec(spec: Mapping[str, Any]) -> ZstdCodec | BloscCodec | None:
-    """The codec of a compressor as conf/store gives it or a store.json records it (plain JSON)."""
-    name = spec.get("name")
-    if name == "zstd":
-        return ZstdCodec(level=int(spec["level"]))
-    if name == "blosc":
+def _compressor_codec(spec: CompressorConf) -> ZstdCodec | BloscCodec | None:
+    """The codec of a compressor (conf/store's `compressor`, or the one a store.json records)."""
+    if spec.name == "zstd":
+        return ZstdCodec(level=int(spec.level))
+    if spec.name == "blosc":
         # typesize is left to Zarr, which sets it from each array's dtype.
-        return BloscCodec(cname=spec["cname"], clevel=int(spec["clevel"]), shuffle=spec["shuffle"])
-    if name == "none":
+        return BloscCodec(cname=spec.cname, clevel=int(spec.clevel), shuffle=spec.shuffle)
+    if spec.name == "none":
         return None
-    raise ValueError(f"compressor {dict(spec)!r}: name must be zstd, blosc or none")
+    given = {k: v for k, v in vars(spec).items() if v is not None}
+    raise ValueError(f"compressor {given!r}: name must be zstd, blosc or none")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,13 +200,13 @@ def _chunk_shape(data: np.ndarray, target_chunk_bytes: int, planes: bool = False
     return (rows, *inner)
 
 
-def is_planes(name: str, storage: StorageSettings) -> bool:
+def is_planes(name: str, storage: StoreConf) -> bool:
     """Whether an array holds bf16 byte planes: bf16 hidden states."""
     return (name == AUX and storage.aux == "bf16") or (name == FINAL and storage.final == "bf16")
 
 
 def _write_shard(folder: Path, arrays: Mapping[str, np.ndarray], attributes: dict[str, Any],
-                 storage: StorageSettings) -> None:
+                 storage: StoreConf) -> None:
     """One Zarr v3 group; each array is one file (one Zarr shard) of crc32c-checked chunks (an
     array of no rows, a final side no sample has a target row in, has no file)."""
     group = zarr.open_group(str(folder), mode="w-", zarr_format=3, attributes=attributes)
@@ -309,7 +224,7 @@ def _write_shard(folder: Path, arrays: Mapping[str, np.ndarray], attributes: dic
         failpoint("store.shard.array_written")
 
 
-def logical_dtypes(storage: StorageSettings) -> dict[str, str]:
+def logical_dtypes(storage: StoreConf) -> dict[str, str]:
     """What each array's values are (store.json's "dtypes"); bf16, e4m3 and e2m1 are stored as
     raw bits (uint16, uint8, two per uint8) since Zarr v3 has none of them."""
     aux = {"bf16": "bfloat16", "fp32": "float32", "fp8": "float8_e4m3fn", "fp4": "float4_e2m1"}
@@ -322,13 +237,13 @@ _LOSS_ROWS = ("target rows only: row j of a sample of T tokens where j + 1 < T a
               "loss_mask[j + 1]; sample i holds rows final_offsets[i]:final_offsets[i + 1]")
 
 
-def _array_attributes(name: str, storage: StorageSettings) -> dict[str, Any]:
+def _array_attributes(name: str, storage: StoreConf) -> dict[str, Any]:
     """How an array's bytes decode, for someone reading the shard without this code."""
     found = dict(_DESCRIPTIONS.get((name, storage.aux if name in (AUX, AUX_SCALE) else storage.final),
                                    {}))
     if storage.aux == "fp4" and name in (AUX, AUX_SCALE):
         found["block"] = storage.fp4_block
-    if name in storage.final_arrays() and storage.final_rows == "loss":
+    if name in final_arrays(storage) and storage.final_rows == "loss":
         found["rows"] = _LOSS_ROWS
     if name in (TARGET_IDS, TARGET_LOGPROBS):
         found["k"] = storage.topk

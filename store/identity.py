@@ -9,14 +9,15 @@ import logging
 import os
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from config.choices import AuxCapture, names
+from config.groups import StoreConf
 from store.durable import StoreCorruptError, _read_checked_json
-from store.format import (AUX_ENCODINGS, FINAL_ENCODINGS, FORMAT_VERSION, STORE_META, StorageSettings,
-                          _plain, logical_dtypes)
+from store.format import (AUX_ENCODINGS, FINAL_ENCODINGS, FORMAT_VERSION, STORE_META, _plain,
+                          logical_dtypes)
+from store.settings import encodings, storage_from_record, storage_record
 from store.sealed import fsync_dir, write_sealed_json
 
 logger = logging.getLogger(__name__)
@@ -87,14 +88,14 @@ def aux_capture_of(meta: Mapping[str, Any]) -> str:
 
 
 def _store_meta(identity: Mapping[str, Any], aux_layer_ids: Sequence[int], aux_convention: str,
-                aux_capture: str, storage: StorageSettings, dump_cfg: Any) -> dict[str, Any]:
+                aux_capture: str, storage: StoreConf, dump_cfg: Any) -> dict[str, Any]:
     return {
         "format_version": FORMAT_VERSION,
         "verifier": dict(_plain(identity)),
         "aux_layer_ids": [int(i) for i in _plain(aux_layer_ids)],
         "aux_convention": str(aux_convention),
         "aux_capture": check_aux_capture(aux_capture),
-        "storage": asdict(storage),
+        "storage": storage_record(storage),
         "dtypes": logical_dtypes(storage),
         "checksum": "crc32c",
         "dump": _plain(dump_cfg) if dump_cfg is not None else {},
@@ -112,13 +113,13 @@ def _compatibility(meta: Mapping[str, Any]) -> dict[str, Any]:
         "aux_convention": meta["aux_convention"],
         "aux_capture": aux_capture_of(meta),
         "storage.mode": meta["storage"]["mode"],
-        **{f"storage.{k}": v for k, v in storage_of(meta).encodings().items()},
+        **{f"storage.{k}": v for k, v in encodings(storage_of(meta)).items()},
     }
 
 
-def storage_of(meta: Mapping[str, Any]) -> StorageSettings:
+def storage_of(meta: Mapping[str, Any]) -> StoreConf:
     """The storage settings a store.json (or a shard's attributes) records."""
-    return StorageSettings.from_record(meta["storage"])
+    return storage_from_record(meta["storage"])
 
 
 def _mismatches(found: Mapping[str, Any], wanted: Mapping[str, Any]) -> list[str]:

@@ -17,6 +17,7 @@ from store.format import CORRUPT_PREFIX, SHARDS_DIR, TMP_PREFIX
 from store.identity import StoreMismatchError
 from store.progress import completion, waiting_ranks
 from store.reader import _MAX_NAMED, ShardCorruptError, StoreReader
+from store.settings import describe, encodings
 
 
 def inspect_store(path: str | Path, verify: bool = True) -> dict[str, Any]:
@@ -48,8 +49,8 @@ def _report(reader: StoreReader, verify: bool) -> dict[str, Any]:
         "aux_convention": reader.aux_convention,
         "aux_capture": reader.aux_capture,
         "mode": reader.mode,
-        "encodings": reader.storage.encodings(),
-        "storage": reader.storage.describe(),
+        "encodings": encodings(reader.storage),
+        "storage": describe(reader.storage),
         "compressor": reader.meta["storage"]["compressor"],
         "shards": len(entries),
         "samples": len(reader),

@@ -12,11 +12,12 @@ import numpy as np
 import torch
 import zarr
 
+from config.groups import StoreConf
 from store.durable import (ShardEntry, StoreCorruptError, _all_manifests, _committed_shards,
                            _nbytes_on_disk, _sha256_file)
 from store.encoding import decode_bf16_planes, decode_fp4, decode_fp8, target_rows
 from store.format import (AUX, AUX_SCALE, FINAL, FINAL_OFFSETS, INPUT_IDS, LOSS_MASK, OFFSETS, SHARDS_DIR,
-                          TARGET_IDS, TARGET_LOGPROBS, StorageSettings, _data_file)
+                          TARGET_IDS, TARGET_LOGPROBS, _data_file, final_arrays, shard_arrays)
 from store.identity import _mismatches, aux_capture_of, read_store_meta, storage_of
 from store.progress import SampleRetiredError, read_retired
 
@@ -226,7 +227,7 @@ class StoreReader:
         return int(self.identity["hidden_size"])
 
     @property
-    def storage(self) -> StorageSettings:
+    def storage(self) -> StoreConf:
         """The settings the store was written with."""
         return self._storage
 
@@ -338,7 +339,7 @@ class StoreReader:
                 raise ShardCorruptError(shard.name, FINAL_OFFSETS, [ref.sample_id],
                                         f"{stop - start} final-side rows stored, the loss mask has "
                                         f"{int(found['rows'].sum())} target rows")
-        for name in self._storage.final_arrays():
+        for name in final_arrays(self._storage):
             found[name] = shard.read(name, slice(start, stop), [ref.sample_id])
         return found
 
@@ -389,12 +390,12 @@ def _verify_shard(folder: Path, meta: Mapping[str, Any], entry: ShardEntry | Non
     except ShardCorruptError as error:
         return [_problem(error, entry.sample_ids if entry else None)]
     problems = _metadata_problems(shard, meta, entry)
-    for name in storage_of(meta).arrays():
+    for name in shard_arrays(storage_of(meta)):
         problems += _chunk_problems(shard, name)
     return problems + _final_offsets_problems(shard, storage_of(meta))
 
 
-def _final_offsets_problems(shard: _OpenShard, storage: StorageSettings) -> list[Problem]:
+def _final_offsets_problems(shard: _OpenShard, storage: StoreConf) -> list[Problem]:
     """Each sample's count of stored final-side rows against the target rows of its loss mask
     (a checksum cannot see a writer that put them wrong)."""
     if storage.final_rows != "loss" or FINAL_OFFSETS not in shard.arrays:
@@ -423,7 +424,7 @@ def _metadata_problems(shard: _OpenShard, meta: Mapping[str, Any], entry: ShardE
                               or entry.num_tokens != np.diff(shard.offsets).tolist()):
         messages.append("the manifest's sample ids or token counts differ from the shard's")
     storage = storage_of(meta)
-    for name in storage.arrays():
+    for name in shard_arrays(storage):
         array = shard.arrays.get(name)
         rows = _expected_rows(shard, storage, name)
         if array is None:
@@ -433,10 +434,10 @@ def _metadata_problems(shard: _OpenShard, meta: Mapping[str, Any], entry: ShardE
     return [Problem(shard.name, None, every, m) for m in messages]
 
 
-def _expected_rows(shard: _OpenShard, storage: StorageSettings, name: str) -> int:
+def _expected_rows(shard: _OpenShard, storage: StoreConf, name: str) -> int:
     if name in (OFFSETS, FINAL_OFFSETS):
         return len(shard.offsets)
-    if name in storage.final_arrays():
+    if name in final_arrays(storage):
         return int(shard.final_offsets[-1])
     return int(shard.offsets[-1])
 

@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from config.groups import StoreConf
 from store.encoding import encode_bf16_planes, encode_fp4, encode_fp8, encode_topk, target_rows
 from store.format import (AUX, AUX_SCALE, FINAL, FINAL_OFFSETS, INPUT_IDS, LOSS_MASK, OFFSETS, TARGET_IDS,
-                          TARGET_LOGPROBS, StorageSettings)
+                          TARGET_LOGPROBS, final_arrays)
 
 
 @dataclass
@@ -42,7 +43,7 @@ class ShardBuffer:
         self.samples, self.ids, self.nbytes = [], set(), 0
 
 
-def encode_sample(storage: StorageSettings, target_head: torch.Tensor | None, ids: torch.Tensor, mask: torch.Tensor,
+def encode_sample(storage: StoreConf, target_head: torch.Tensor | None, ids: torch.Tensor, mask: torch.Tensor,
                   aux: torch.Tensor, final: torch.Tensor) -> dict[str, np.ndarray]:
     """One sample's rows of a shard's arrays, as the storage settings encode them."""
     # Copies (the caller may reuse its buffers), as every encode_* function makes too.
@@ -55,7 +56,7 @@ def encode_sample(storage: StorageSettings, target_head: torch.Tensor | None, id
     return arrays
 
 
-def _encode_aux(storage: StorageSettings, aux: torch.Tensor) -> dict[str, np.ndarray]:
+def _encode_aux(storage: StoreConf, aux: torch.Tensor) -> dict[str, np.ndarray]:
     encoding = storage.aux
     if encoding == "fp32":
         return {AUX: aux.to("cpu", torch.float32, copy=True).numpy()}
@@ -68,7 +69,7 @@ def _encode_aux(storage: StorageSettings, aux: torch.Tensor) -> dict[str, np.nda
     return {AUX: encode_bf16_planes(aux)}
 
 
-def _encode_final(storage: StorageSettings, target_head: torch.Tensor | None, final: torch.Tensor
+def _encode_final(storage: StoreConf, target_head: torch.Tensor | None, final: torch.Tensor
                   ) -> dict[str, np.ndarray]:
     encoding = storage.final
     if encoding == "topk":
@@ -80,7 +81,7 @@ def _encode_final(storage: StorageSettings, target_head: torch.Tensor | None, fi
     return {FINAL: encode_bf16_planes(final)}
 
 
-def checked_head(storage: StorageSettings, head: torch.Tensor | None, hidden_size: int,
+def checked_head(storage: StoreConf, head: torch.Tensor | None, hidden_size: int,
                  vocab_size: int) -> torch.Tensor | None:
     """What the storage settings need of the verifier's shapes, checked before anything is
     written; the lm_head as encode_topk uses it (float32, on its device), where final is topk."""
@@ -103,12 +104,12 @@ def checked_head(storage: StorageSettings, head: torch.Tensor | None, hidden_siz
     return head.detach().float()  # a no-op for a float32 head
 
 
-def concatenate(pending: Sequence[Pending], storage: StorageSettings) -> dict[str, np.ndarray]:
+def concatenate(pending: Sequence[Pending], storage: StoreConf) -> dict[str, np.ndarray]:
     arrays = {name: np.concatenate([p.arrays[name] for p in pending])
               for name in pending[0].arrays}
     arrays[OFFSETS] = _offsets([len(p.arrays[INPUT_IDS]) for p in pending])
     if storage.final_rows == "loss":  # each sample's share of the compacted final side
-        final_side = storage.final_arrays()[0]
+        final_side = final_arrays(storage)[0]
         arrays[FINAL_OFFSETS] = _offsets([len(p.arrays[final_side]) for p in pending])
     return arrays
 

@@ -25,11 +25,12 @@ from infra import failpoint
 from store.durable import (Manifest, ShardEntry, _all_manifests, _committed_shards, _load_manifest, _lock_rank,
                            _manifest_path, _metadata_sha256, _nbytes_on_disk, _write_manifest)
 from store.format import (CORRUPT_PREFIX, FORMAT_VERSION, MANIFEST_DIR, OFFSETS, SHARDS_DIR, TMP_PREFIX,
-                          StorageSettings, _shard_index, _shard_rank, _write_shard, shard_name)
+                          _shard_index, _shard_rank, _write_shard, shard_name)
 from store.identity import _create_or_check_meta, _store_meta
 from store.progress import clear_rank_state, clear_waiting, mark_done, read_retired, set_waiting, shards_bytes
 from store.reader import ShardCorruptError, _entry_of, _problem, _store_index, _verify_shard
 from store.sealed import fsync_dir, fsync_tree
+from store.settings import storage_settings
 from store.shard_buffer import Pending, ShardBuffer, checked_head, concatenate, encode_sample
 
 logger = logging.getLogger(__name__)
@@ -130,7 +131,7 @@ class StoreWriter:
         self.path = Path(path)
         self._heldout, self.max_bytes, self.poll_s = heldout, max_bytes, poll_s
         self.rank, self.world_size = dist_env(rank, world_size)
-        self.storage = StorageSettings.from_cfg(storage_cfg)
+        self.storage = storage_settings(storage_cfg)
         wanted = _store_meta(identity, aux_layer_ids, aux_convention, aux_capture, self.storage,
                              dump_cfg)
         # This run's settings go into its shards (the same as store.json where it matters).

@@ -165,10 +165,10 @@ def test_a_shard_closes_before_the_sample_that_would_overflow_it(tmp_path: Path)
 
 def _buffered_bytes(sample_ids: list[str]) -> int:
     """What the writer buffers of these samples (their encoded arrays)."""
-    from store.format import StorageSettings
+    from store.settings import storage_settings
     from store.shard_buffer import encode_sample
 
-    settings = StorageSettings.from_cfg(storage())
+    settings = storage_settings(storage())
     total = 0
     for i in sample_ids:
         sample = {k: torch.as_tensor(v) for k, v in make_sample(i).items()}

@@ -19,7 +19,6 @@ from store import (
     TARGET_LOGPROBS,
     Sample,
     ShardCorruptError,
-    StorageSettings,
     StoreMismatchError,
     StoreReader,
     StoreWriter,
@@ -28,6 +27,7 @@ from store import (
     format_inspect,
     inspect_store,
     read_store_meta,
+    storage_settings,
     target_rows,
 )
 from store.sealed import write_sealed_json
@@ -217,11 +217,11 @@ def test_fp4_bound_holds_with_outliers_and_tiny_values(tmp_path: Path) -> None:
 
 def test_settings_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="storage aux encoding 'fp2' is not one of bf16, fp32, fp8, fp4"):
-        StorageSettings.from_cfg(storage(aux="fp2"))
+        storage_settings(storage(aux="fp2"))
     with pytest.raises(ValueError, match="storage final_rows 'some'"):
-        StorageSettings.from_cfg(storage(final_rows="some"))
+        storage_settings(storage(final_rows="some"))
     with pytest.raises(ValueError, match="storage settings lack aux, final, final_rows"):
-        StorageSettings.from_cfg({k: v for k, v in storage().items() if k not in ("aux", "final", "final_rows")})
+        storage_settings({k: v for k, v in storage().items() if k not in ("aux", "final", "final_rows")})
     with pytest.raises(ValueError, match="pass StoreWriter the verifier's lm_head"):
         open_writer(tmp_path / "a", storage("compact"), head=None)
     with pytest.raises(ValueError, match=r"target_head has shape \(1000, 16\)"):
