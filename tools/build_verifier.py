@@ -198,10 +198,10 @@ def main(cfg: DictConfig) -> None:
     print(f"data: {stats.summary()}; unigram held-out cross-entropy {unigram:.4f} nats")
 
     hf_arch = {k: v for k, v in arch.items() if k not in ("model_type", "topk_method", "scoring_func")}
-    config = DeepseekV3Config(**hf_arch, bos_token_id=tokenizer.bos_token_id,
+    hf_config = DeepseekV3Config(**hf_arch, bos_token_id=tokenizer.bos_token_id,
                               eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
                               pad_token_id=tokenizer.pad_token_id, num_nextn_predict_layers=0)
-    model = DeepseekV3ForCausalLM(config)
+    model = DeepseekV3ForCausalLM(hf_config)
     log: list[dict] = []
     t_train = time.time()
     train_model(model, train_ids, eval_ids, tcfg, cfg.seed, log)
