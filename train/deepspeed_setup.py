@@ -25,13 +25,9 @@ def precision_of(precision: str, device_type: str | None = None,
                  cpu_flags: Set[str] | None = None) -> str:
     """train.precision as trained: bf16 | fp32. auto is bf16 on an accelerator, and on a CPU with
     bf16 units (avx512_bf16 or amx_bf16 in cpu_flags; default: this machine's), else fp32:
-    - without those units bf16 matmuls take slow fallbacks: on a 2-core x86 machine,
-      [2048, 8192] x [8192, 256] took 10.6 s in bf16 against 0.05 s in fp32, a step ~30x longer;
-    - with them bf16 is faster: 2,710 against 1,892 tokens/s fp32 (medians of steps 11-100, 2-core
-      AMD EPYC with avx512_bf16, the peer setting of bench/recipe.py on `make dump`'s store), held-out
-      figures equal within the seed spread. Its memory stays near flat only because micro-batch
-      lengths are padded to a grid (train.pad_multiple; free lengths grew 0.78 -> 2.25 GiB over 40
-      steps; on a 256-token grid 1.0 GiB at step 20, 1.44-1.56 at 300).
+    without those units bf16 matmuls take slow fallbacks, with them bf16 trains faster to the same
+    held-out figures (docs/benchmarks.md, "Which CPUs"). Its memory stays near flat only because
+    micro-batch lengths are padded to a grid (train.pad_multiple).
     device_type: default, DeepSpeed's accelerator here."""
     if precision not in names(Precision):
         raise ValueError(f"train.precision {precision!r}: use one of {', '.join(names(Precision))}")

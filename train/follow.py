@@ -23,8 +23,8 @@ new shards and those of the epochs - 1 windows before it, shuffled together with
 "<seed>/window-<w>". So each training sample is trained train.epochs times, as in a run on the
 finished store, and its passes mix with the samples of 2 x epochs - 1 windows of shards, not of
 its own window only: training a window's few samples epochs times in a row and moving on fits
-each window in turn and forgets the earlier ones (bench/results/follow_designs.json: accept
-length 2.50 that way, 2.63 this way, 2.62 on the finished store). Once the dump is done, windows
+each window in turn and forgets the earlier ones (bench/results/follow_designs.json compares the
+two with a run on the finished store). Once the dump is done, windows
 without new shards train what the last ones brought until every shard has had its passes. The
 last step of a window may take rows of the pass's next shuffle (as the whole store's last step
 does): at most rows-per-step - 1 rows repeated per window.
