@@ -24,9 +24,13 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`gpu` tests need a CUDA device; without one they are skipped, saying so."""
+    """`gpu` tests need a CUDA device; without one they are skipped, saying so. Modules with a
+    `slow` test run first, each kept whole so that its module fixtures start once: with two
+    workers (`make test`) the long tests then run beside the short ones, not alone at the end."""
     import torch
 
+    slow = {item.path for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: item.path not in slow)    # stable: the order within a module stays
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
