@@ -30,6 +30,9 @@ else
 	# and triton, which is unused on CPU: remove them.
 	$(PY) -m pip install -q -e '.[cpu,dev]'
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+	# DeepSpeed compiles its CPU collective op (shm comm) at its first use, into infra.py's
+	# TORCH_EXTENSIONS_DIR: once here, on an idle machine, so that no training waits on the compiler.
+	$(PY) -c "import infra; infra.configure_environment(); from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()"
 endif
 	$(PY) -c "import torch, vllm, deepspeed, zarr, transformers; print('setup ok: torch', torch.__version__, 'vllm', vllm.__version__, 'deepspeed', deepspeed.__version__, 'zarr', zarr.__version__)"
 	@touch $@

@@ -20,7 +20,9 @@ from collections.abc import Set
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
+
+from config.groups import EngineConf
 
 # vLLM's MLA backends on its CPU platform (AttentionBackendEnum names, vllm/v1/attention/backends/
 # registry.py) and the model dtypes each one's `supported_dtypes` lists.
@@ -83,7 +85,7 @@ def cpu_attention_backend(cpu_flags: Set[str], dtype: str, requested: str | None
     return choice
 
 
-def attention_backend(engine: DictConfig, on_cpu: bool | None = None,
+def attention_backend(engine: EngineConf, on_cpu: bool | None = None,
                       cpu_flags: Set[str] | None = None) -> str | None:
     """The MLA attention backend to name for the verifier and its draft; None leaves it to vLLM.
 
@@ -109,7 +111,7 @@ def _vllm_on_cpu() -> bool:
     return bool(current_platform.is_cpu())
 
 
-def engine_kwargs(engine: DictConfig, on_cpu: bool | None = None,
+def engine_kwargs(engine: EngineConf, on_cpu: bool | None = None,
                   cpu_flags: Set[str] | None = None) -> dict[str, Any]:
     """LLM(...) keyword arguments from an engine config; None values are left to vLLM. on_cpu and
     cpu_flags as in `attention_backend` (defaults: this machine)."""
@@ -131,7 +133,7 @@ def engine_kwargs(engine: DictConfig, on_cpu: bool | None = None,
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
-def make_llm(model_dir: Path, engine: DictConfig, *, trust_remote_code: bool, **extra: Any):
+def make_llm(model_dir: Path, engine: EngineConf, *, trust_remote_code: bool, **extra: Any):
     """A vLLM engine on model_dir; trust_remote_code: the verifier's setting (its folder's .py files,
     a Kimi tokenizer's, run only with it; refused before the engine starts when the folder needs it);
     `extra` adds or overrides keyword arguments (speculative_config, max_model_len, ...)."""

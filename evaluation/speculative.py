@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from omegaconf import DictConfig
-
+from config.groups import EngineConf
 from evaluation.accept import AcceptCounts
 from dump.engine import generate_together
 
@@ -98,7 +97,7 @@ def _patch_expand(worker) -> bool:
     return patch_expand_kernel()
 
 
-def speculative_config(engine_cfg: DictConfig, draft_dir: Path, num_speculative_tokens: int, draft_sample: str,
+def speculative_config(engine_cfg: EngineConf, draft_dir: Path, num_speculative_tokens: int, draft_sample: str,
                        on_cpu: bool | None = None, cpu_flags: Set[str] | None = None) -> dict[str, object]:
     """vLLM's speculative_config for the draft. The draft runs the verifier's attention backend
     (dump.engine.attention_backend; on_cpu / cpu_flags default to this machine): vLLM's EAGLE
@@ -115,7 +114,7 @@ def speculative_config(engine_cfg: DictConfig, draft_dir: Path, num_speculative_
     return speculative
 
 
-def speculative_engine(verifier_dir: Path, engine_cfg: DictConfig, draft_dir: Path, num_speculative_tokens: int,
+def speculative_engine(verifier_dir: Path, engine_cfg: EngineConf, draft_dir: Path, num_speculative_tokens: int,
                        draft_sample: str, max_model_len: int, *, trust_remote_code: bool):
     """A vLLM engine on the verifier with the draft as its EAGLE-3 speculator (stats on);
     trust_remote_code: verifier.trust_remote_code."""
