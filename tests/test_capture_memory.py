@@ -24,7 +24,7 @@ from dump.capture import (PIECE_BYTES, VLLM_VERSION, CapturedSample, HiddenState
 from dump.pipeline import token_batches
 from dump.plan import DEVICE, DUMP, GIB, RELAY, WORKER, call_plan, call_spec, main as plan_main
 from infra import REPO_ROOT
-from config import compose_config
+from config import ConfigError, compose_config
 
 
 # ---- engine calls by a token budget -----------------------------------------------------------
@@ -136,6 +136,20 @@ def test_plan_command_prints_per_process_figures(tmp_path: Path) -> None:
     assert f"{document['peak_bytes'][WORKER] / GIB:8.2f}" in table
     with pytest.raises(ValueError, match="engine.dtype"):
         call_spec(compose_config("dump", ["engine.dtype=auto"]))
+
+
+@pytest.mark.parametrize(("overrides", "named"), [
+    (["verifier.aux_layer_ids=[2,46,94]"], "verifier.aux_layer_ids=[2, 46, 94] (vllm convention: ids 0..93"),
+    (["verifier.aux_layer_ids=[1,45,93]", "verifier.aux_convention=sglang"], "(sglang convention: ids 0..92"),
+    (["verifier.aux_layer_ids=[46,2,90]"], "[46, 2, 90] (distinct and ascending"),
+])
+def test_the_plan_refuses_aux_layers_the_verifier_lacks(overrides: list[str], named: str) -> None:
+    """The config's own layer count bounds the ids (config/validate.py): the plan is made where the
+    verifier's folder is not (kimi_k3's path is unset), and refuses before anything is sized."""
+    lines: list[str] = []
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        plan_main(["verifier=kimi_k3", "engine=cuda", "--no-process", *overrides], lines.append)
+    assert lines == []
 
 
 # ---- peak RSS of a dump at two budgets --------------------------------------------------------
