@@ -25,6 +25,7 @@ from dump.pipeline import token_batches
 from dump.plan import DEVICE, DUMP, GIB, RELAY, WORKER, call_plan, call_spec, main as plan_main
 from infra import REPO_ROOT
 from config import ConfigError, compose_config
+from model.verifier_handle import Verifier
 
 
 # ---- engine calls by a token budget -----------------------------------------------------------
@@ -248,7 +249,7 @@ def pressured_llm(kimi_tiny_dir: Path, kimi_tiny_cfg: DictConfig) -> Iterator[ob
     from dump.engine import shutdown_llm
 
     engine = compose_config("dump", TINY_ENGINE).engine
-    llm = start_capture_engine(kimi_tiny_dir, engine, capture_spec(kimi_tiny_cfg), PREEMPT_MAX_LEN,
+    llm = start_capture_engine(kimi_tiny_dir, engine, capture_spec(Verifier.from_conf(kimi_tiny_cfg)), PREEMPT_MAX_LEN,
                                trust_remote_code=False, **TINY_KV)
     yield llm
     shutdown_llm(llm)
@@ -286,7 +287,7 @@ def test_a_preempted_request_keeps_its_complete_forward(pressured_llm, kimi_tiny
     """Four prompts through a KV cache that holds fewer than two: vLLM preempts (recompute) and
     prefills again from position 0. Each prompt's states equal those of the prompt captured alone;
     the rows also travel in pieces of 100 positions (a piece size far below one prompt)."""
-    spec = capture_spec(kimi_tiny_cfg)
+    spec = capture_spec(Verifier.from_conf(kimi_tiny_cfg))
     capture = HiddenStateCapture(pressured_llm, spec, piece_bytes=100 * (len(spec.aux_layer_ids) + 1) * 256 * 4)
     prompts = _long_prompts(kimi_tiny_dir, 4, 300)
     together = capture.capture(prompts)
