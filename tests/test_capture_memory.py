@@ -149,7 +149,7 @@ def test_the_plan_refuses_aux_layers_the_verifier_lacks(overrides: list[str], na
     verifier's folder is not (kimi_k3's path is unset), and refuses before anything is sized."""
     lines: list[str] = []
     with pytest.raises(ConfigError, match=re.escape(named)):
-        plan_main(["verifier=kimi_k3", "engine=cuda", "--no-process", *overrides], lines.append)
+        plan_main(["verifier=kimi_k3", "engine=cuda", *overrides, "--no-process"], lines.append)
     assert lines == []
 
 
