@@ -25,7 +25,6 @@ from dump.capture import HiddenStateCapture, capture_spec, start_capture_engine 
 from dump.engine import shutdown_llm  # noqa: E402
 from config import compose_config  # noqa: E402
 from model.verifier_handle import Verifier  # noqa: E402
-from model.verifier import verifier_dir  # noqa: E402
 
 # Eager: the CPU config as `make dump` runs it. Compiled: the GPU config's setting
 # (enforce_eager false) with vLLM's default compilation, which on CPU also fixes the rotary op.
@@ -39,9 +38,10 @@ def measure(mode: str, prompts: list[list[int]], rounds: int) -> dict[str, Any]:
     from vllm import SamplingParams, TokensPrompt
 
     cfg = compose_config("dump", MODES[mode])
-    spec = capture_spec(cfg.verifier)
+    verifier = Verifier.from_conf(cfg.verifier)
+    spec = capture_spec(verifier)
     began = time.perf_counter()
-    llm = start_capture_engine(verifier_dir(cfg.verifier), cfg.engine, spec, int(cfg.max_len),
+    llm = start_capture_engine(verifier.path, cfg.engine, spec, int(cfg.max_len),
                                trust_remote_code=cfg.verifier.trust_remote_code)
     start_s = time.perf_counter() - began
     try:

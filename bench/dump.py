@@ -31,8 +31,7 @@ from dump.engine import shutdown_llm  # noqa: E402
 from infra import REPO_ROOT  # noqa: E402
 from config import compose_config  # noqa: E402
 from model.verifier_handle import Verifier  # noqa: E402
-from model.verifier import verifier_dir  # noqa: E402
-from store import StoreWriter, inspect_store, verifier_identity  # noqa: E402
+from store import StoreWriter, inspect_store  # noqa: E402
 
 
 class PeakRSS:
@@ -95,13 +94,13 @@ def main() -> None:
     args = prompt_bench_args(__doc__, 48, "bench/results/dump.json")
 
     cfg = compose_config("dump")
-    vdir = verifier_dir(cfg.verifier)
-    tokenizer = Verifier.from_conf(cfg.verifier).tokenizer()
+    verifier = Verifier.from_conf(cfg.verifier)
+    tokenizer = verifier.tokenizer()
     samples = prompts_of(cfg, args.samples, tokenizer)
     tokens = sum(len(s.input_ids) for s in samples)
     prompts = [[int(t) for t in s.input_ids] for s in samples]
-    identity = verifier_identity(vdir, cfg.verifier.name)
-    aux_ids = list(cfg.verifier.aux_layer_ids)
+    identity = verifier.identity
+    aux_ids = list(verifier.aux_layer_ids)              # vLLM's convention, as the writer is told
     hidden = identity["hidden_size"]
     work = Path(tempfile.mkdtemp(prefix="bench-dump-"))
 
@@ -121,8 +120,8 @@ def main() -> None:
         return store
 
     with PeakRSS() as rss:
-        spec = capture_spec(cfg.verifier)
-        llm = start_capture_engine(vdir, cfg.engine, spec, cfg.max_len,
+        spec = capture_spec(verifier)
+        llm = start_capture_engine(verifier.path, cfg.engine, spec, cfg.max_len,
                                    trust_remote_code=cfg.verifier.trust_remote_code)
         capture = HiddenStateCapture(llm, spec)
         prefill_only()  # warm-up

@@ -155,12 +155,11 @@ def simulate_heldout(draft_dir: Path, lossless: Path) -> dict[str, Any]:
 def _draft_and_head(draft_dir: Path) -> tuple[Any, torch.Tensor, int]:
     """The exported draft, the verifier's lm_head [V, H] and the rows of one 128 MB logits block."""
     from model.checkpoint import load_draft
-    from model.verifier import verifier_dir
-    from model.verifier_weights import read_verifier_head
+    from model.verifier_handle import Verifier
 
-    vdir = verifier_dir(compose_config("train", []).verifier)
-    head = read_verifier_head(vdir, torch.float32).lm_head
-    return load_draft(draft_dir, verifier_dir=vdir).eval(), head, max(1, (128 << 20) // (4 * head.shape[0]))
+    verifier = Verifier.from_conf(compose_config("train", []).verifier)
+    head = verifier.lm_head(torch.float32)
+    return load_draft(draft_dir, verifier=verifier).eval(), head, max(1, (128 << 20) // (4 * head.shape[0]))
 
 
 def vllm_eval(mode: str, draft_dir: Path) -> dict[str, Any]:

@@ -19,12 +19,34 @@ from config.choices import Acceptance, names
 def problems(cfg: DictConfig) -> list[str]:
     """Every rule a stage's config breaks (dump, train and plan, eval: by the keys it holds)."""
     found: list[str] = []
+    if "verifier" in cfg:
+        # dump and eval capture the aux states: the engine walks the layers in order.
+        found += aux_problems(cfg.verifier, ascending="regenerate" in cfg or "draft_sample" in cfg)
     if "regenerate" in cfg:
         found += dump_problems(cfg)
     if "train" in cfg:
         found += train_problems(cfg)
     if "draft_sample" in cfg:
         found += eval_problems(cfg)
+    return found
+
+
+def aux_problems(verifier: DictConfig, ascending: bool) -> list[str]:
+    """verifier.aux_layer_ids against the layer count the config states (architecture), so that a
+    run, and `python -m dump plan` (which reads no folder), is refused before any engine starts or
+    folder is read; Verifier.from_conf converts them later against the folder's own count
+    (model/aux_ids.py: vLLM ids 0..N, the state entering layer k; SGLang ids 0..N-1, its output).
+    ascending: the capture's rule (dump/capture.py CaptureSpec), for the stages that capture."""
+    ids, convention = list(verifier.aux_layer_ids), verifier.aux_convention
+    found = []
+    if "num_hidden_layers" in verifier.architecture:
+        layers = verifier.architecture.num_hidden_layers
+        top = layers if convention == "vllm" else layers - 1
+        if any(not 0 <= i <= top for i in ids):
+            found.append(f"verifier.aux_layer_ids={ids} ({convention} convention: ids 0..{top} of the "
+                         f"verifier's {layers} layers, verifier.architecture.num_hidden_layers)")
+    if ascending and ids != sorted(set(ids)):
+        found.append(f"verifier.aux_layer_ids={ids} (distinct and ascending: the capture keeps vLLM's order)")
     return found
 
 

@@ -52,12 +52,15 @@ import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dump.engine import generate_together
 from store import AUX_CAPTURES
+
+if TYPE_CHECKING:
+    from model.verifier_handle import Verifier
 
 _STATE_ATTR = "_eagle3_capture"
 # vLLM's switch between Kimi-K3's two aux modes (vllm/envs.py, vLLM 0.32); read when the engine's
@@ -133,13 +136,11 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def capture_spec(verifier: Any) -> CaptureSpec:
-    """The capture a verifier config asks for (conf/verifier/*: aux ids, aux mode, final norm)."""
-    from model.aux_ids import to_vllm_aux_ids
-
-    ids = to_vllm_aux_ids(list(verifier.aux_layer_ids), verifier.aux_convention,
-                          int(verifier.architecture.num_hidden_layers))
-    return CaptureSpec(tuple(ids), str(verifier.aux_capture), verifier.final_norm_module)
+def capture_spec(verifier: Verifier) -> CaptureSpec:
+    """The capture the run's verifier asks for (Verifier.from_conf: aux ids in vLLM's convention)."""
+    if verifier.aux_layer_ids is None or verifier.aux_capture is None:
+        raise ValueError(f"{verifier.path} was opened from its folder alone: a capture needs the run's aux layers")
+    return CaptureSpec(verifier.aux_layer_ids, str(verifier.aux_capture), verifier.final_norm_module)
 
 
 def check_vllm_version(installed: str | None = None) -> None:

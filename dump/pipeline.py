@@ -39,7 +39,6 @@ from dump.capture import CapturedSample, HiddenStateCapture, capture_spec, start
 from dump.engine import shutdown_llm
 from dump.regenerate import regenerate
 from infra import failpoint, resolve
-from model.verifier import verifier_dir
 from model.verifier_handle import Verifier
 from store import StoreWriter
 from data.packing import pack_next_fit
@@ -90,7 +89,8 @@ def open_writer(output_dir: str | Path, verifier: VerifierConf, store: StoreConf
     final side is the verifier's top-k (store=compact) gets the verifier's lm_head, in float32 on
     the GPU where there is one, to compute it. heldout: the trainer's held-out samples, written to
     shards of their own; store.max_bytes bounds the shards on disk."""
-    handle = Verifier.open(verifier_dir(verifier), verifier.name)
+    handle = Verifier.from_conf(verifier)
+    # The ids and convention as configured: the store records what its config said.
     return StoreWriter(resolve(output_dir), handle.identity,
                        list(verifier.aux_layer_ids), store, record,
                        aux_convention=verifier.aux_convention,
@@ -99,15 +99,14 @@ def open_writer(output_dir: str | Path, verifier: VerifierConf, store: StoreConf
                        heldout=heldout, max_bytes=store.max_bytes, poll_s=store.poll_s)
 
 
-def target_head_for(store: StoreConf, verifier: Verifier | Path) -> torch.Tensor | None:
+def target_head_for(store: StoreConf, verifier: Verifier) -> torch.Tensor | None:
     """The verifier's lm_head [V, H], float32 on the GPU where there is one, for storage settings
     that keep its top-k next tokens (final: topk); None for the others."""
     if store.final != "topk":
         return None
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    handle = Verifier.of(verifier)
-    head = handle.lm_head().to(device, torch.float32)
-    handle.release_tensors()              # the writer holds its copy; the handle keeps no other
+    head = verifier.lm_head().to(device, torch.float32)
+    verifier.release_tensors()            # the writer holds its copy; the handle keeps no other
     return head
 
 
@@ -196,8 +195,8 @@ def run_dump(cfg: DumpJob, llm=None) -> dict[str, Any]:
     """
     if cfg.data.on_error == "raise":
         check_input(cfg)
-    vdir = verifier_dir(cfg.verifier)
-    tokenizer = Verifier.from_conf(cfg.verifier).tokenizer()
+    verifier = Verifier.from_conf(cfg.verifier)
+    tokenizer = verifier.tokenizer()
     heldout = trainer_heldout(cfg)
     writer = open_writer(cfg.output_dir, cfg.verifier, cfg.store, OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
                          cfg.rank, cfg.world_size, heldout)
@@ -206,7 +205,7 @@ def run_dump(cfg: DumpJob, llm=None) -> dict[str, Any]:
     # Done conversations stay in the stream: rounds and calls are cut as an uninterrupted run cut them.
     owned = (c for c in conversations_of(cfg, read_stats) if writer.owns(c.id))
 
-    spec = capture_spec(cfg.verifier)
+    spec = capture_spec(verifier)
     own_engine = llm is None
     rejections = Rejections()
     tokens = 0
@@ -218,7 +217,7 @@ def run_dump(cfg: DumpJob, llm=None) -> dict[str, Any]:
         # process can open it again.
         with writer:
             if own_engine:
-                llm = start_capture_engine(vdir, cfg.engine, spec, cfg.max_len,
+                llm = start_capture_engine(verifier.path, cfg.engine, spec, cfg.max_len,
                                            trust_remote_code=cfg.verifier.trust_remote_code)
             capture = HiddenStateCapture(llm, spec)
             for batch in batched(owned, cfg.batch_size):

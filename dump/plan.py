@@ -51,7 +51,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from dump.capture import PIECE_BYTES, capture_spec
+from dump.capture import PIECE_BYTES
 from store.settings import raw_bytes_per_token, storage_settings
 
 GIB = 1024**3
@@ -98,7 +98,9 @@ def call_spec(cfg: DictConfig) -> CallSpec:
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"engine.dtype {dtype!r}: the plan needs an explicit dtype, one of "
                          f"{sorted(DTYPE_BYTES)} (auto is the checkpoint's, unknown without it)")
-    hidden, num_aux = verifier.architecture.hidden_size, len(capture_spec(verifier).aux_layer_ids)
+    # No verifier folder is read (the plan is for machines it is not on): the aux ids count as the
+    # config lists them, which config.check (config/validate.py) held to the configured layers.
+    hidden, num_aux = verifier.architecture.hidden_size, len(verifier.aux_layer_ids)
     tp, pp = engine.tensor_parallel_size, engine.pipeline_parallel_size
     utilization = engine.gpu_memory_utilization
     return CallSpec(

@@ -24,7 +24,6 @@ from dump.pipeline import target_head_for
 from infra import resolve
 from config import compose_config
 from config.groups import StoreConf
-from model.verifier import verifier_dir
 from model.verifier_handle import Verifier
 from store import StoreReader, StoreWriter, storage_settings
 
@@ -60,7 +59,7 @@ def transcode(src: str | Path, dst: str | Path, overrides: list[str] | None = No
     source = StoreReader(resolve(src))
     cfg = compose_config("dump", list(overrides or []))
     check_conversion(source, storage_settings(cfg.store))
-    verifier = Verifier.open(verifier_dir(cfg.verifier), cfg.verifier.name)
+    verifier = Verifier.from_conf(cfg.verifier)
     identity = verifier.identity
     if identity != source.identity:
         raise TranscodeError(f"store {source.path} was dumped from verifier {source.identity.get('name')!r} "

@@ -32,6 +32,8 @@ from infra import resolve
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from model.verifier_handle import Verifier
+
 logger = logging.getLogger(__name__)
 
 
@@ -94,14 +96,14 @@ def check_draft(draft_dir: Path, cfg: EvalJob) -> None:
 
 
 # ---- 2. real -------------------------------------------------------------------------------
-def measure_real(cfg: EvalJob, categories: list[Category], verifier: Path, draft_dir: Path,
+def measure_real(cfg: EvalJob, categories: list[Category], verifier: Verifier, draft_dir: Path,
                  stop: list[int]) -> dict[str, dict[str, Any]]:
     from dump.engine import shutdown_llm
     from evaluation.speculative import run_prompts, speculative_engine
 
     K = cfg.num_speculative_tokens
-    llm = speculative_engine(verifier, cfg.engine, draft_dir, K, cfg.draft_sample, cfg.max_len,
-                             trust_remote_code=cfg.verifier.trust_remote_code)
+    llm = speculative_engine(verifier.path, cfg.engine, draft_dir, K, cfg.draft_sample, cfg.max_len,
+                             trust_remote_code=verifier.trust_remote_code)
     runs: dict[str, dict[str, Any]] = {}
     try:
         for cat in categories:
@@ -119,7 +121,7 @@ def measure_real(cfg: EvalJob, categories: list[Category], verifier: Path, draft
 
 # ---- 3. shards of the texts vLLM produced -------------------------------------------------
 def dump_texts(cfg: EvalJob, categories: list[Category], runs: dict[str, dict[str, Any]],
-               verifier: Path, run_dir: Path, llm=None) -> dict[str, dict[str, Path]]:
+               verifier: Verifier, run_dir: Path, llm=None) -> dict[str, dict[str, Path]]:
     """Stage 1's capture over prompt + each answer vLLM produced: <run>/stores/<category>/<mode>.
 
     `llm`: a capture engine already running on the verifier with cfg.engine and cfg.max_len (tests
@@ -130,11 +132,11 @@ def dump_texts(cfg: EvalJob, categories: list[Category], runs: dict[str, dict[st
     from dump.pipeline import open_writer, token_batches, write_batch
 
     stores: dict[str, dict[str, Path]] = {}
-    spec = capture_spec(cfg.verifier)
+    spec = capture_spec(verifier)
     own_engine = llm is None
     if own_engine:
-        llm = start_capture_engine(verifier, cfg.engine, spec, cfg.max_len,
-                                   trust_remote_code=cfg.verifier.trust_remote_code)
+        llm = start_capture_engine(verifier.path, cfg.engine, spec, cfg.max_len,
+                                   trust_remote_code=verifier.trust_remote_code)
     try:
         capture = HiddenStateCapture(llm, spec)
         for cat in categories:
@@ -164,22 +166,20 @@ def dump_texts(cfg: EvalJob, categories: list[Category], runs: dict[str, dict[st
 
 
 # ---- 4. simulated --------------------------------------------------------------------------
-def simulate_all(cfg: EvalJob, stores: dict[str, dict[str, Path]], verifier: Path,
+def simulate_all(cfg: EvalJob, stores: dict[str, dict[str, Path]], verifier: Verifier,
                  draft_dir: Path) -> dict[str, dict[str, Any]]:
     """Per category: greedy replay on the greedy texts; the sampled expectation on the sampled texts."""
     import torch
 
     from evaluation.simulate import Sampling, simulate_store
     from model.checkpoint import load_draft
-    from model.verifier_handle import Verifier
     from store import StoreReader
 
     if cfg.simulate.threads:
         torch.set_num_threads(cfg.simulate.threads)
-    handle = Verifier.open(verifier)
-    head = handle.lm_head(torch.float32)                                         # [V, H]
-    draft = load_draft(draft_dir, verifier_dir=handle).eval()                    # the embedding of the same read
-    handle.release_tensors()                                                     # head and draft hold copies
+    head = verifier.lm_head(torch.float32)                                       # [V, H]
+    draft = load_draft(draft_dir, verifier=verifier).eval()                      # the embedding of the same read
+    verifier.release_tensors()                                                   # head and draft hold copies
     chunk = max(1, cfg.simulate.chunk_bytes // (4 * head.shape[0]))
     K = cfg.num_speculative_tokens
     sampling = Sampling(cfg.sampled.temperature, cfg.sampled.top_p, cfg.draft_sample)
@@ -211,14 +211,13 @@ def evaluate_draft(cfg: EvalJob, run_dir: Path, capture_llm=None) -> dict[str, A
     step 3 (see dump_texts); else one is started after the speculative engine is shut down."""
     from evaluation import report
     from model.card import write_card
-    from model.verifier import verifier_dir
     from model.verifier_handle import Verifier
 
     draft_dir = resolve(cfg.draft_dir)
     check_draft(draft_dir, cfg)
     cfg.draft_sample = proposal_method(cfg.draft_sample, draft_dir)
-    verifier = verifier_dir(cfg.verifier)
-    tokenizer = Verifier.from_conf(cfg.verifier).tokenizer()
+    verifier = Verifier.from_conf(cfg.verifier)
+    tokenizer = verifier.tokenizer()
     stop = [tokenizer.convert_tokens_to_ids(cfg.verifier.end_of_turn)]
     categories = load_categories(cfg, tokenizer)
     began = time.perf_counter()

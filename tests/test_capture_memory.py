@@ -24,7 +24,8 @@ from dump.capture import (PIECE_BYTES, VLLM_VERSION, CapturedSample, HiddenState
 from dump.pipeline import token_batches
 from dump.plan import DEVICE, DUMP, GIB, RELAY, WORKER, call_plan, call_spec, main as plan_main
 from infra import REPO_ROOT
-from config import compose_config
+from config import ConfigError, compose_config
+from model.verifier_handle import Verifier
 
 
 # ---- engine calls by a token budget -----------------------------------------------------------
@@ -138,6 +139,20 @@ def test_plan_command_prints_per_process_figures(tmp_path: Path) -> None:
         call_spec(compose_config("dump", ["engine.dtype=auto"]))
 
 
+@pytest.mark.parametrize(("overrides", "named"), [
+    (["verifier.aux_layer_ids=[2,46,94]"], "verifier.aux_layer_ids=[2, 46, 94] (vllm convention: ids 0..93"),
+    (["verifier.aux_layer_ids=[1,45,93]", "verifier.aux_convention=sglang"], "(sglang convention: ids 0..92"),
+    (["verifier.aux_layer_ids=[46,2,90]"], "[46, 2, 90] (distinct and ascending"),
+])
+def test_the_plan_refuses_aux_layers_the_verifier_lacks(overrides: list[str], named: str) -> None:
+    """The config's own layer count bounds the ids (config/validate.py): the plan is made where the
+    verifier's folder is not (kimi_k3's path is unset), and refuses before anything is sized."""
+    lines: list[str] = []
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        plan_main(["verifier=kimi_k3", "engine=cuda", *overrides, "--no-process"], lines.append)
+    assert lines == []
+
+
 # ---- peak RSS of a dump at two budgets --------------------------------------------------------
 def _processes() -> list[psutil.Process]:
     """This process and its live descendants: the dump and vLLM's engine core and workers (not
@@ -234,7 +249,7 @@ def pressured_llm(kimi_tiny_dir: Path, kimi_tiny_cfg: DictConfig) -> Iterator[ob
     from dump.engine import shutdown_llm
 
     engine = compose_config("dump", TINY_ENGINE).engine
-    llm = start_capture_engine(kimi_tiny_dir, engine, capture_spec(kimi_tiny_cfg), PREEMPT_MAX_LEN,
+    llm = start_capture_engine(kimi_tiny_dir, engine, capture_spec(Verifier.from_conf(kimi_tiny_cfg)), PREEMPT_MAX_LEN,
                                trust_remote_code=False, **TINY_KV)
     yield llm
     shutdown_llm(llm)
@@ -272,7 +287,7 @@ def test_a_preempted_request_keeps_its_complete_forward(pressured_llm, kimi_tiny
     """Four prompts through a KV cache that holds fewer than two: vLLM preempts (recompute) and
     prefills again from position 0. Each prompt's states equal those of the prompt captured alone;
     the rows also travel in pieces of 100 positions (a piece size far below one prompt)."""
-    spec = capture_spec(kimi_tiny_cfg)
+    spec = capture_spec(Verifier.from_conf(kimi_tiny_cfg))
     capture = HiddenStateCapture(pressured_llm, spec, piece_bytes=100 * (len(spec.aux_layer_ids) + 1) * 256 * 4)
     prompts = _long_prompts(kimi_tiny_dir, 4, 300)
     together = capture.capture(prompts)

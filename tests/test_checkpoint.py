@@ -29,12 +29,13 @@ from model.aux_ids import sglang_to_vllm_aux_ids, to_vllm_aux_ids, vllm_to_sglan
 from tests.conftest import plain_layer
 from config import compose_draft_conf
 from model.draft import DraftConfig, Eagle3Draft, build_draft
+from model.verifier_handle import Verifier
 from model.vocab import build_draft_vocab
 
 
 @pytest.fixture(scope="module")
 def tiny_cfg(draft_verifier_dir: Path) -> DraftConfig:
-    return plain_layer(DraftConfig.from_conf(compose_draft_conf("kimi_tiny"), draft_verifier_dir))
+    return plain_layer(DraftConfig.from_conf(compose_draft_conf("kimi_tiny"), Verifier.open(draft_verifier_dir)))
 
 
 def _draft(cfg: DraftConfig, draft_vocab_size: int | None = None, q_lora_rank: int | None | str = "keep") -> Eagle3Draft:
@@ -137,7 +138,7 @@ def test_fp32_round_trip_is_exact(tiny_cfg: DraftConfig, tmp_path: Path, variant
 def test_bf16_export_loads_as_the_rounded_weights(tiny_cfg: DraftConfig, tmp_path: Path, draft_verifier_dir: Path) -> None:
     draft = _draft(tiny_cfg)
     export_draft(draft, tmp_path)
-    back = load_draft(tmp_path, verifier_dir=draft_verifier_dir)
+    back = load_draft(tmp_path, verifier=Verifier.open(draft_verifier_dir))
     for name, tensor in draft.state_dict().items():
         assert torch.equal(back.state_dict()[name], tensor.to(torch.bfloat16).float()), name
     from model.verifier_weights import read_verifier_head
@@ -236,7 +237,7 @@ def test_export_import_reexport_is_identical(tiny_cfg: DraftConfig, tmp_path: Pa
                                              vocab: int | None, draft_verifier_dir: Path) -> None:
     draft = _draft(_with_aux(tiny_cfg, *LAYOUTS["k3" if target == KIMI_K3 else "tiny"], target), draft_vocab_size=vocab)
     first, second = tmp_path / "first", tmp_path / "second"
-    export_draft(draft, first, verifier_dir=draft_verifier_dir)      # Kimi-K3 folders carry the embedding
+    export_draft(draft, first, verifier=Verifier.open(draft_verifier_dir))      # Kimi-K3 folders carry the embedding
     assert ("embed_tokens.weight" in _tensors(first)) == (target == KIMI_K3)
     back = load_draft(first)
     assert back.config == draft.config
@@ -308,7 +309,6 @@ def test_init_from_refuses_another_draft(tiny_cfg: DraftConfig, tmp_path: Path, 
 def test_train_init_from_starts_the_run_from_the_folder_unless_it_resumes(tiny_cfg: DraftConfig, tmp_path: Path,
                                                                           draft_verifier_dir: Path) -> None:
     from config import compose_config
-    from model.verifier_handle import Verifier
     from train.loop import RunSetup, build_objective
 
     published = _draft(tiny_cfg)                            # seed 0; the run initialises with seed 7

@@ -20,7 +20,7 @@ from store import StoreMismatchError, StoreReader, StoreWriter, verifier_identit
 
 
 def _draft_cfg(verifier: Path) -> DraftConfig:
-    return DraftConfig.from_conf(compose_draft_conf("kimi_tiny"), verifier)
+    return DraftConfig.from_conf(compose_draft_conf("kimi_tiny"), Verifier.open(verifier))
 
 
 def _tiny_store(path: Path, verifier: Path, aux_ids: list[int], aux_capture: str = "residual_stream",

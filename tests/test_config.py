@@ -155,6 +155,9 @@ def test_a_choice_outside_its_type_is_refused_at_composition(stage: str, overrid
      ["heldout_set.max_tokens=0 (at least 1)", "heldout_set.conversations=-2 (at least 0)"]),
     ("eval", ["num_speculative_tokens=0", "num_prompts=0"],
      ["num_speculative_tokens=0 (at least 1)", "num_prompts=0 (at least 1)"]),
+    ("train", ["verifier.aux_layer_ids=[2,4,9]"], ["verifier.aux_layer_ids=[2, 4, 9] (vllm convention: ids 0..8"]),
+    ("dump", ["verifier.aux_layer_ids=[0,3,8]", "verifier.aux_convention=sglang"], ["(sglang convention: ids 0..7"]),
+    ("eval", ["verifier.aux_layer_ids=[5,4,2]"], ["verifier.aux_layer_ids=[5, 4, 2] (distinct and ascending"]),
 ])
 def test_rules_across_keys_are_refused_at_composition(stage: str, overrides: list[str], named: list[str]) -> None:
     """config/validate.py's rules run with the composition: every broken one named in one message."""

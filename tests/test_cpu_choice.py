@@ -19,6 +19,7 @@ from dump.engine import attention_backend, cpu_attention_backend, engine_kwargs,
 from evaluation.speculative import speculative_config
 from infra import parse_cpu_flags
 from config import compose_config
+from model.verifier_handle import Verifier
 from train.deepspeed_setup import precision_of
 
 # Flag sets as Linux prints them: a Sapphire Rapids Xeon (AMX), an AVX-512 BF16 CPU without AMX
@@ -121,8 +122,8 @@ def test_vllm_takes_the_backend_for_verifier_and_draft(kimi_tiny_dir: Path, tmp_
     kwargs = engine_kwargs(engine)
     chosen = cpu_attention_backend(infra.cpu_flags(), engine.dtype, engine.attention_backend)
     assert kwargs["attention_backend"] == chosen
-    draft_dir = export_draft(build_draft(DraftConfig.from_conf(compose_draft_conf("kimi_tiny"), kimi_tiny_dir)),
-                             tmp_path / "draft")
+    draft_cfg = DraftConfig.from_conf(compose_draft_conf("kimi_tiny"), Verifier.open(kimi_tiny_dir))
+    draft_dir = export_draft(build_draft(draft_cfg), tmp_path / "draft")
     spec = speculative_config(engine, draft_dir, 2, "greedy")
     args = EngineArgs(model=str(kimi_tiny_dir), tokenizer=str(kimi_tiny_dir), speculative_config=spec,
                       **(kwargs | {"max_model_len": 512}))

@@ -14,19 +14,20 @@ import model.verifier_weights as vw
 from config import compose_config, compose_draft_conf
 from model.checkpoint import export_size_bytes
 from model.draft import DraftConfig, Eagle3Draft, build_draft, exported_parameter_count
+from model.verifier_handle import Verifier
 from model.vocab import build_draft_vocab, count_tokens, draft_to_target, t2d_from_d2t, target_to_draft
 
 
 @pytest.fixture(scope="module")
 def tiny_cfg(draft_verifier_dir: Path) -> DraftConfig:
-    return DraftConfig.from_conf(compose_draft_conf("kimi_tiny"), draft_verifier_dir)
+    return DraftConfig.from_conf(compose_draft_conf("kimi_tiny"), Verifier.open(draft_verifier_dir))
 
 
 @pytest.fixture(scope="module")
 def tiny_draft(tiny_cfg: DraftConfig, draft_verifier_dir: Path) -> Eagle3Draft:
     torch.manual_seed(0)
     draft = build_draft(tiny_cfg)
-    draft.load_verifier_head(draft_verifier_dir)
+    draft.load_verifier_head(Verifier.open(draft_verifier_dir))
     return draft
 
 
@@ -103,7 +104,7 @@ def test_pruned_lm_head_takes_the_verifier_rows(tiny_cfg: DraftConfig, draft_ver
     draft = build_draft(cfg)
     d2t, _ = build_draft_vocab(torch.randint(0, 100, (cfg.vocab_size,)), 512)
     draft.set_vocab(d2t)
-    draft.load_verifier_head(draft_verifier_dir)
+    draft.load_verifier_head(Verifier.open(draft_verifier_dir))
     target_ids = torch.arange(512) + d2t
     assert torch.equal(draft.lm_head.weight, vw.read_verifier_head(draft_verifier_dir).lm_head.float()[target_ids])
     assert torch.equal(draft.t2d, t2d_from_d2t(d2t, cfg.vocab_size))

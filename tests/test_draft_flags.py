@@ -18,6 +18,7 @@ from model.batch import Batch, collate_rows, pack_row
 from model.chain import draft_chain
 from model.checkpoint import export_draft, init_from_draft, load_draft
 from model.draft import ARCHITECTURE_FLAGS, DraftConfig, Eagle3Draft, StepOutput, build_draft
+from model.verifier_handle import Verifier
 from model.mla import RMSNorm
 from tests.test_vllm_draft import (  # noqa: F401  (tiny_cfg: a fixture, used by name)
     COMPARE_PROMPTS, compare_first_round, engine_on, make_test_draft, tiny_cfg)
@@ -38,7 +39,7 @@ def _draft(cfg: DraftConfig, verifier_dir: Path | None = None) -> Eagle3Draft:
     torch.manual_seed(0)
     draft = build_draft(cfg)
     if verifier_dir is not None:
-        draft.load_verifier_head(verifier_dir)
+        draft.load_verifier_head(Verifier.open(verifier_dir))
     for module in draft.modules():
         if isinstance(module, RMSNorm) and module is not draft.norm:
             module.weight.copy_(1 + 0.2 * torch.randn(module.weight.shape))
@@ -148,7 +149,7 @@ def test_exported_folder_round_trips(tiny_cfg: DraftConfig, draft_verifier_dir: 
     with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
         fc_norm_keys = {k for k in f.keys() if k.startswith("fc_norm.")}
     assert fc_norm_keys == ({f"fc_norm.{i}.weight" for i in range(tiny_cfg.num_aux)} if flags.get("fc_norm") else set())
-    back = load_draft(tmp_path, verifier_dir=draft_verifier_dir)
+    back = load_draft(tmp_path, verifier=Verifier.open(draft_verifier_dir))
     assert back.config == draft.config
     batch = _batch(tiny_cfg)
     for ours, theirs in zip(_chain(draft, batch), _chain(back, batch), strict=True):

@@ -17,6 +17,7 @@ from data.conversations import Conversation, load_conversations
 from dump.capture import CapturedSample
 from infra import REPO_ROOT
 from config import compose_config
+from model.verifier_handle import Verifier
 from store import StoreReader
 from tests.test_capture import assert_matches_transformers
 
@@ -194,7 +195,7 @@ def test_an_engine_call_is_scheduled_the_same_way_every_time(fp32_store: Path, v
 
     reader = StoreReader(fp32_store)
     prompts = [[int(t) for t in reader.read_sample(ref).input_ids] for ref in reader.samples()]
-    capture = HiddenStateCapture(verifier_llm, capture_spec(compose_config("dump").verifier))
+    capture = HiddenStateCapture(verifier_llm, capture_spec(Verifier.from_conf(compose_config("dump").verifier)))
     first, *again = [capture.capture(prompts) for _ in range(4)]
     for run in again:
         for i, (a, b) in enumerate(zip(first, run)):

@@ -104,14 +104,15 @@ def test_dump_train_and_evaluate_on_a_kimi_folder(kimi_folder: Path, tmp_path: P
     from dump.engine import shutdown_llm
     from dump.pipeline import run_dump
     from evaluation.run import evaluate_draft
+    from model.verifier_handle import Verifier
     from store import inspect_store
 
     store = tmp_path / "store"
     dump_cfg = compose_config("dump", [*_verifier(kimi_folder), "data.max_samples=8", "max_len=256",
                                        "heldout_set.conversations=0",
                                        "regenerate.max_tokens=24", f"output_dir={store}"])
-    llm = start_capture_engine(kimi_folder, dump_cfg.engine, capture_spec(dump_cfg.verifier), int(dump_cfg.max_len),
-                               trust_remote_code=True)
+    spec = capture_spec(Verifier.from_conf(dump_cfg.verifier))
+    llm = start_capture_engine(kimi_folder, dump_cfg.engine, spec, int(dump_cfg.max_len), trust_remote_code=True)
     try:
         summary = run_dump(dump_cfg, llm=llm)
         # A prompt longer than max_len leaves no room for an answer: rejected, by name.

@@ -14,6 +14,7 @@ from model.batch import PAD_SEGMENT, Batch, RowSample, collate_rows, pack_row
 from model.chain import step_inputs
 from config import compose_draft_conf
 from model.draft import DraftConfig, build_draft
+from model.verifier_handle import Verifier
 from model.verifier_weights import read_verifier_head
 from store import StoreReader
 from train.objective import (Eagle3Objective, ObjectiveConfig, build_target_cache, simulated_accept_length,
@@ -22,7 +23,7 @@ from train.objective import (Eagle3Objective, ObjectiveConfig, build_target_cach
 
 @pytest.fixture(scope="module")
 def tiny_cfg(draft_verifier_dir: Path) -> DraftConfig:
-    return DraftConfig.from_conf(compose_draft_conf("kimi_tiny"), draft_verifier_dir)
+    return DraftConfig.from_conf(compose_draft_conf("kimi_tiny"), Verifier.open(draft_verifier_dir))
 
 
 def _objective(cfg: DraftConfig, verifier: Path, steps: int = 3, chunk_bytes: int = 1 << 27,
@@ -31,7 +32,7 @@ def _objective(cfg: DraftConfig, verifier: Path, steps: int = 3, chunk_bytes: in
     draft = build_draft(cfg)
     if d2t is not None:
         draft.set_vocab(d2t)
-    draft.load_verifier_head(verifier)
+    draft.load_verifier_head(Verifier.open(verifier))
     head = read_verifier_head(verifier, torch.float32).lm_head
     return Eagle3Objective(draft, head, ObjectiveConfig(steps, 0.8, chunk_bytes))
 

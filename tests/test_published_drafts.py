@@ -19,6 +19,7 @@ from model.checkpoint import (DEEPSEEK_V3, EMBED, KIMI_K3, draft_config_for_run,
                               export_draft, init_from_draft, load_draft, read_folder_config, sglang_capture,
                               our_name, stored_names, vllm_capture)
 from model.draft import ARCHITECTURE_FLAGS, DraftConfig, build_draft
+from model.verifier_handle import Verifier
 from model.mla import RMSNorm
 from model.verifier_weights import read_verifier_embedding
 from tests.conftest import plain_layer
@@ -30,7 +31,7 @@ NULL_SWITCHES = [f"draft.{flag}=null" for flag in ARCHITECTURE_FLAGS]
 
 @pytest.fixture(scope="module")
 def tiny_cfg(draft_verifier_dir: Path) -> DraftConfig:
-    return plain_layer(DraftConfig.from_conf(compose_draft_conf("kimi_tiny"), draft_verifier_dir))
+    return plain_layer(DraftConfig.from_conf(compose_draft_conf("kimi_tiny"), Verifier.open(draft_verifier_dir)))
 
 
 @pytest.fixture(scope="module")
@@ -111,9 +112,10 @@ def test_init_from_takes_the_folders_switches_where_the_conf_leaves_them_null(
         name: str, tiny_cfg: DraftConfig, embedding: torch.Tensor, draft_verifier_dir: Path, tmp_path: Path) -> None:
     folder = _published(name, tiny_cfg, embedding, tmp_path)
     conf = _run_conf(draft_verifier_dir, folder, *NULL_SWITCHES)
-    cfg = draft_config_for_run(conf, draft_verifier_dir, folder)
+    cfg = draft_config_for_run(conf, Verifier.open(draft_verifier_dir), folder)
     assert {flag: getattr(cfg, flag) for flag in ARCHITECTURE_FLAGS} == _switches(name)
-    assert not any(getattr(DraftConfig.from_conf(conf, draft_verifier_dir), f) for f in ARCHITECTURE_FLAGS)  # null: off
+    plain = DraftConfig.from_conf(conf, Verifier.open(draft_verifier_dir))
+    assert not any(getattr(plain, f) for f in ARCHITECTURE_FLAGS)                 # null: off
     draft = build_draft(cfg)
     init_from_draft(draft, folder)
     published = load_draft(folder)
@@ -132,7 +134,7 @@ def test_init_from_refuses_a_switch_the_conf_sets_otherwise_naming_both(
                      override)
     message = f"{flag} is {theirs} in its config.json, {mine == 'true'} in draft.{flag}"
     with pytest.raises(ValueError, match=re.escape(message)):
-        draft_config_for_run(conf, draft_verifier_dir, folder)
+        draft_config_for_run(conf, Verifier.open(draft_verifier_dir), folder)
 
 
 @pytest.mark.parametrize("name", PUBLISHED)
@@ -142,11 +144,12 @@ def test_a_published_folder_re_exports_to_the_same_layers_and_tensors(
     K3 draft's run names the Kimi-K3 target, whose folder carries the embedding)."""
     folder = _published(name, tiny_cfg, embedding, tmp_path)
     k3 = PUBLISHED[name]["family"] == "k3"
-    cfg = draft_config_for_run(_run_conf(draft_verifier_dir, folder, *NULL_SWITCHES), draft_verifier_dir, folder)
+    cfg = draft_config_for_run(_run_conf(draft_verifier_dir, folder, *NULL_SWITCHES), Verifier.open(draft_verifier_dir),
+                               folder)
     cfg = dataclasses.replace(cfg, target_model_type=KIMI_K3 if k3 else DEEPSEEK_V3)
     draft = build_draft(cfg)
     init_from_draft(draft, folder)
-    out = export_draft(draft, tmp_path / "again", verifier_dir=draft_verifier_dir)
+    out = export_draft(draft, tmp_path / "again", verifier=Verifier.open(draft_verifier_dir))
     back = read_folder_config(out)
     assert back.aux_layer_ids == read_folder_config(folder).aux_layer_ids == cfg.aux_layer_ids
     assert {f: getattr(back, f) for f in ARCHITECTURE_FLAGS} == _switches(name)
@@ -164,7 +167,7 @@ def test_a_k3_export_carries_what_every_engines_loader_needs(tiny_cfg: DraftConf
     draft = build_draft(k3)
     with pytest.raises(ValueError, match="has not loaded the verifier's embedding"):
         export_draft(draft, tmp_path / "no_embedding")          # a draft rebuilt from a training state
-    out = export_draft(draft, tmp_path / "k3", verifier_dir=draft_verifier_dir)
+    out = export_draft(draft, tmp_path / "k3", verifier=Verifier.open(draft_verifier_dir))
     config, names = json.loads((out / "config.json").read_text()), stored_names(out)
     assert torch.equal(_tensors(out)[EMBED], read_verifier_embedding(draft_verifier_dir).to(torch.bfloat16))
     assert engine_load_problems(config, names, k3) == {"vllm": [], "sglang": [], "tokenspeed": []}

@@ -26,6 +26,7 @@ from config import compose_config, compose_draft_conf
 from infra import FAILPOINTS_ENV, REPO_ROOT
 from model.batch import PAD_SEGMENT, Batch, RowSample, collate_rows, pack_row
 from model.draft import DraftConfig, build_draft
+from model.verifier_handle import Verifier
 from model.verifier_weights import read_verifier_head
 from train.metrics import read_jsonl
 from train.objective import Eagle3Objective, ObjectiveConfig
@@ -59,7 +60,7 @@ def _rows(cfg: DraftConfig) -> Batch:
 def _objective(cfg: DraftConfig, verifier: Path, **settings) -> Eagle3Objective:
     torch.manual_seed(0)
     draft = build_draft(cfg)
-    draft.load_verifier_head(verifier)
+    draft.load_verifier_head(Verifier.open(verifier))
     head = read_verifier_head(verifier, torch.float32).lm_head
     return Eagle3Objective(draft, head, ObjectiveConfig(STEPS, 0.8, 1 << 20, **settings))
 
@@ -124,7 +125,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def tiny_cfg(draft_verifier_dir: Path) -> DraftConfig:
-    return DraftConfig.from_conf(compose_draft_conf("kimi_tiny"), draft_verifier_dir)
+    return DraftConfig.from_conf(compose_draft_conf("kimi_tiny"), Verifier.open(draft_verifier_dir))
 
 
 def test_a_rank_cut_shifts_as_the_whole_row() -> None:

@@ -16,6 +16,7 @@ from model.batch import Batch, collate_rows, pack_row
 from model.chain import step_inputs
 from config import compose_draft_conf
 from model.draft import DraftConfig, build_draft
+from model.verifier_handle import Verifier
 from model.vocab import target_ids_of
 from train.batches import row_sample
 from train.objective import (ChunkedTopKCE, Eagle3Objective, ObjectiveConfig, draft_ids_of, soft_cross_entropy,
@@ -39,7 +40,7 @@ class TopKSample:
 
 @pytest.fixture(scope="module")
 def tiny_cfg(draft_verifier_dir: Path) -> DraftConfig:
-    return DraftConfig.from_conf(compose_draft_conf("kimi_tiny"), draft_verifier_dir)
+    return DraftConfig.from_conf(compose_draft_conf("kimi_tiny"), Verifier.open(draft_verifier_dir))
 
 
 def _topk(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -255,7 +256,7 @@ def _objective(cfg: DraftConfig, verifier: Path, target_head: Tensor | None, ste
     draft = build_draft(cfg)
     if d2t is not None:
         draft.set_vocab(d2t)
-    draft.load_verifier_head(verifier)
+    draft.load_verifier_head(Verifier.open(verifier))
     return Eagle3Objective(draft, target_head, ObjectiveConfig(steps, 0.8, 1 << 22))
 
 

@@ -153,7 +153,7 @@ def test_each_zero_stage_trains(zero_runs: dict[str, Path], untrained: dict, sta
 def test_export_loads_back_with_the_trained_weights(zero_runs: dict[str, Path], stage: str,
                                                     draft_verifier_dir: Path) -> None:
     run = zero_runs[stage]
-    draft = load_draft(run / "draft", draft_verifier_dir)
+    draft = load_draft(run / "draft", Verifier.open(draft_verifier_dir))
     trained = consolidated_checkpoint_state(run / "checkpoints" / "step-00000006")
     exported = draft.state_dict()
     # A frozen full-vocabulary lm_head is the verifier's: checkpoints leave it out, exports carry it.
@@ -174,8 +174,8 @@ def test_export_loads_back_with_the_trained_weights(zero_runs: dict[str, Path], 
     assert f"{STEPS} optimizer steps" in (run / "draft" / "README.md").read_text()
     assert TrainingFacts.read(run / "again") is None
     # A draft made from the checkpoint's state alone, with the verifier's head and embedding.
-    rebuilt = draft_from_state(draft.config, trained, None, draft_verifier_dir)
-    rebuilt.load_verifier_embedding(draft_verifier_dir)
+    rebuilt = draft_from_state(draft.config, trained, None, Verifier.open(draft_verifier_dir))
+    rebuilt.load_verifier_embedding(Verifier.open(draft_verifier_dir))
     assert not rebuilt.embed_tokens.is_meta
     assert torch.equal(rebuilt.embed_tokens, Verifier.open(draft_verifier_dir).embedding(torch.float32))
     ids = torch.arange(8)[None]
@@ -208,7 +208,7 @@ def test_pruned_vocabulary_run_exports_its_d2t(tmp_path: Path, train_store: Path
     run = tmp_path / "pruned"
     _fit(run, _overrides(train_store, draft_verifier_dir, "draft.draft_vocab_size=1024", "train.steps=2"))
     d2t = load_file(str(run / "vocab.safetensors"))["d2t"]
-    draft = load_draft(run / "draft", draft_verifier_dir)
+    draft = load_draft(run / "draft", Verifier.open(draft_verifier_dir))
     assert draft.config.draft_vocab_size == 1024 and draft.lm_head.weight.shape[0] == 1024
     assert torch.equal(draft.d2t, d2t)
     assert draft.config.eos_token_id in (torch.arange(1024) + d2t).tolist()      # always kept
@@ -330,7 +330,7 @@ def _assert_exported_without_heldout(run: Path, steps: int, verifier: Path) -> N
     assert len(_losses(run)) == steps and not read_jsonl(run / "metrics.jsonl", "heldout")
     summary = json.loads((run / "summary.json").read_text())
     assert summary["heldout"] == {} and summary["exported"] == str(run / "draft")
-    assert load_draft(run / "draft", verifier).config.vocab_size > 0
+    assert load_draft(run / "draft", Verifier.open(verifier)).config.vocab_size > 0
 
 
 def test_a_store_with_no_heldout_sample_trains_and_exports(small_store: Path, draft_verifier_dir: Path,

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 import train.loop as loop
 from config import compose_config, compose_draft_conf
 from model.draft import DraftConfig
-from model.verifier_handle import Verifier, VerifierFiles
+from model.verifier_handle import Verifier
 from model import verifier_weights
 from model.verifier_weights import read_verifier_head
 from store import verifier_identity
@@ -106,15 +106,26 @@ def test_a_training_start_opens_each_verifier_file_once(tmp_path: Path, train_st
 def test_every_opening_of_one_folder_shares_its_files(draft_verifier_dir: Path) -> None:
     node = compose_config("train", [f"verifier.path={draft_verifier_dir}"]).verifier
     verifier = Verifier.from_conf(node)
-    assert verifier.files is Verifier.open(draft_verifier_dir).files is VerifierFiles.open(draft_verifier_dir / ".")
+    assert verifier.files is Verifier.open(draft_verifier_dir).files is Verifier.open(draft_verifier_dir / ".").files
     assert verifier.name == "kimi-tiny" and verifier.aux_capture == "residual_stream"
     draft = DraftConfig.from_conf(compose_draft_conf("kimi_tiny"), verifier)
-    assert (draft.bos_token_id, draft.eos_token_id) == (verifier.files.token_ids["bos_token_id"], verifier.files.token_ids["eos_token_id"])
-    assert verifier.files.eos_token_ids == [verifier.files.token_ids["eos_token_id"]]
+    assert (draft.bos_token_id, draft.eos_token_id) == (verifier.token_ids["bos_token_id"], verifier.token_ids["eos_token_id"])
+    assert verifier.eos_token_ids == [verifier.token_ids["eos_token_id"]]
+
+
+def test_the_handle_says_what_config_json_says(draft_verifier_dir: Path) -> None:
+    config = json.loads((draft_verifier_dir / "config.json").read_text())
+    config = config.get("text_config", config)
+    verifier = Verifier.open(draft_verifier_dir)
+    assert verifier.config == config and verifier.name == draft_verifier_dir.name
+    assert (verifier.hidden_size, verifier.vocab_size, verifier.num_hidden_layers) == \
+        (config["hidden_size"], config["vocab_size"], config["num_hidden_layers"])
+    assert verifier.aux_capture is None and verifier.final_norm_module is None
 
 
 def test_the_identity_is_the_one_stores_record(draft_verifier_dir: Path) -> None:
-    assert Verifier.open(draft_verifier_dir, "kimi-tiny").identity == verifier_identity(draft_verifier_dir, "kimi-tiny")
+    node = compose_config("train", [f"verifier.path={draft_verifier_dir}"]).verifier
+    assert Verifier.from_conf(node).identity == verifier_identity(draft_verifier_dir, "kimi-tiny")
 
 
 def test_aux_layers_in_both_conventions(draft_verifier_dir: Path) -> None:
@@ -150,5 +161,5 @@ def test_a_folder_rewritten_in_place_is_read_anew(tmp_path: Path, draft_verifier
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(config | {"eos_token_id": [4, 5]}, indent=1))
     after = Verifier.open(folder)
-    assert after.files is not before.files and after.files.eos_token_ids == [4, 5]
+    assert after.files is not before.files and after.eos_token_ids == [4, 5]
     assert after.identity["config_sha256"] != before.identity["config_sha256"]

@@ -29,6 +29,7 @@ from model.checkpoint import draft_config_json, engine_captures, export_draft, l
 from tests.conftest import in_process_vllm, plain_layer
 from config import compose_draft_conf
 from model.draft import DraftConfig, Eagle3Draft, build_draft
+from model.verifier_handle import Verifier
 from model.vocab import build_draft_vocab, count_tokens
 
 pytestmark = pytest.mark.vllm
@@ -124,7 +125,7 @@ def make_test_draft(cfg: DraftConfig, verifier_dir: Path, d2t: torch.Tensor | No
     draft = build_draft(cfg)
     if d2t is not None:
         draft.set_vocab(d2t)
-    draft.load_verifier_head(verifier_dir)
+    draft.load_verifier_head(Verifier.open(verifier_dir))
     H = cfg.hidden_size
     with torch.no_grad():
         draft.fc.weight.zero_()
@@ -134,7 +135,7 @@ def make_test_draft(cfg: DraftConfig, verifier_dir: Path, d2t: torch.Tensor | No
 
 @pytest.fixture(scope="module")
 def tiny_cfg(draft_verifier_dir: Path) -> DraftConfig:
-    return plain_layer(DraftConfig.from_conf(compose_draft_conf("kimi_tiny"), draft_verifier_dir))
+    return plain_layer(DraftConfig.from_conf(compose_draft_conf("kimi_tiny"), Verifier.open(draft_verifier_dir)))
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +192,7 @@ def compare_first_round(llm, record: DrafterRecord, ours: Eagle3Draft, prompt: s
 def engine_on(draft: Eagle3Draft, verifier_dir: Path, engine_cfg: DictConfig, out_dir: Path):
     """Export `draft`, start vLLM on it; yields (llm, recorder, our draft loaded back from the export)."""
     export_draft(draft, out_dir)
-    ours = load_draft(out_dir, verifier_dir=verifier_dir)   # the exported (bf16-rounded) weights, in fp32
+    ours = load_draft(out_dir, verifier=Verifier.open(verifier_dir))   # the exported (bf16-rounded) weights, in fp32
     with in_process_vllm():
         llm = speculative_engine(verifier_dir, engine_cfg, out_dir, NUM_SPECULATIVE_TOKENS, "greedy",
                                  int(engine_cfg.max_model_len), trust_remote_code=False)

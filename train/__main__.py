@@ -74,6 +74,7 @@ def export_main(argv: list[str]) -> int:
     import torch
 
     from model.checkpoint import export_draft, needs_embedding
+    from model.verifier_handle import Verifier
     from train.export import consolidated_checkpoint_state, draft_from_state
     from train.run_folder import EXPORT_DIR, checkpoint_draft, find_checkpoint
 
@@ -94,9 +95,9 @@ def export_main(argv: list[str]) -> int:
         print(f"python -m train export: checkpoint {folder} {known}, and a {source.config.target_model_type} "
               "export ships the verifier's embedding: pass --verifier <folder>", file=sys.stderr)
         return 2
-    draft = draft_from_state(source.config, consolidated_checkpoint_state(folder), source.d2t,
-                             verifier if verifier is not None and verifier.is_dir() else None)
-    out = export_draft(draft, args.out or folder / EXPORT_DIR, getattr(torch, args.dtype), verifier_dir=verifier)
+    handle = Verifier.open(verifier) if verifier is not None and verifier.is_dir() else None
+    draft = draft_from_state(source.config, consolidated_checkpoint_state(folder), source.d2t, handle)
+    out = export_draft(draft, args.out or folder / EXPORT_DIR, getattr(torch, args.dtype), verifier=handle)
     print(f"exported {folder} -> {out}")
     return 0
 

@@ -32,7 +32,7 @@ def gathered_draft_state(engine) -> dict[str, torch.Tensor]:
 
 
 def draft_from_state(cfg: DraftConfig, state: dict[str, torch.Tensor], d2t: torch.Tensor | None,
-                     verifier: Verifier | Path | None = None) -> Eagle3Draft:
+                     verifier: Verifier | None = None) -> Eagle3Draft:
     """A CPU draft holding the tensors of `state` themselves (keys as Eagle3Draft.state_dict names
     them; no copy, no [V, H] of its own: the embedding is left unmade, an export that ships it reads
     the verifier's). A checkpoint of a draft whose lm_head is the verifier's does not hold it: it is
@@ -41,7 +41,7 @@ def draft_from_state(cfg: DraftConfig, state: dict[str, torch.Tensor], d2t: torc
         draft = Eagle3Draft(cfg)
     wanted = draft.state_dict()
     if HEAD not in state and verifier is not None and draft.shares_verifier_head:
-        state = {**state, HEAD: Verifier.of(verifier).lm_head()}
+        state = {**state, HEAD: verifier.lm_head()}
     missing = [k for k in wanted if k not in state and k not in ("d2t", "t2d")]
     if missing:
         why = (" (a frozen full-vocabulary lm_head is the verifier's: name the verifier folder)"

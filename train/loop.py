@@ -88,7 +88,7 @@ def _pruned_vocab(cfg: DraftConfig, split: StoreSplit, run_dir: Path, verifier: 
         counts = torch.zeros(cfg.vocab_size, dtype=torch.long)
         for ids, mask in iterate_token_masks(split.reader, split.train):
             counts += count_tokens(ids, mask, cfg.vocab_size)
-        d2t, _ = build_draft_vocab(counts, cfg.draft_vocab_size, always_include=verifier.files.eos_token_ids)
+        d2t, _ = build_draft_vocab(counts, cfg.draft_vocab_size, always_include=verifier.eos_token_ids)
         save_file({"d2t": d2t}, str(path))
     dist.barrier()
     return load_file(str(path))["d2t"]
@@ -223,7 +223,7 @@ def export_run(engine, setup: RunSetup, run: RunFolder, dtype: torch.dtype) -> s
     out = None
     if dist.get_rank() == 0:
         draft = draft_from_state(setup.draft_cfg, state, setup.d2t)
-        out = str(export_draft(draft, run.export_dir, dtype, verifier_dir=setup.verifier))
+        out = str(export_draft(draft, run.export_dir, dtype, verifier=setup.verifier))
     dist.barrier()
     return out
 

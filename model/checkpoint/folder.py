@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 
 def export_tensors(draft: Eagle3Draft, dtype: torch.dtype = torch.bfloat16,
-                   verifier_dir: Path | Verifier | None = None) -> dict[str, Tensor]:
+                   verifier: Verifier | None = None) -> dict[str, Tensor]:
     """Checkpoint name -> tensor. The module names already are vLLM's, so this casts, and adds
     the verifier's embedding where `needs_embedding`."""
     out: dict[str, Tensor] = {}
@@ -36,22 +36,20 @@ def export_tensors(draft: Eagle3Draft, dtype: torch.dtype = torch.bfloat16,
         t = tensor.to(dtype) if tensor.is_floating_point() else tensor
         out[name] = t.detach().cpu().contiguous()
     if needs_embedding(draft.config.target_model_type):
-        out[EMBED] = _verifier_embedding(draft, verifier_dir).to(dtype).cpu().contiguous()
+        out[EMBED] = _verifier_embedding(draft, verifier).to(dtype).cpu().contiguous()
     return out
 
 
-def _verifier_embedding(draft: Eagle3Draft, verifier_dir: Path | Verifier | None) -> Tensor:
+def _verifier_embedding(draft: Eagle3Draft, verifier: Verifier | None) -> Tensor:
     """The draft's copy of the verifier's embedding, else the verifier's own; never zeros (a
     draft rebuilt from a training state has not loaded it)."""
     if draft.embed_tokens.device.type != "meta" and torch.count_nonzero(draft.embed_tokens) > 0:
         return draft.embed_tokens.detach()
-    if verifier_dir is None:
+    if verifier is None:
         raise ValueError(f"a {draft.config.target_model_type} draft folder carries {EMBED} (TokenSpeed cannot "
                          "share the target's), but this draft has not loaded the verifier's embedding: pass "
-                         "verifier_dir or call load_verifier_embedding first")
-    from model.verifier_handle import Verifier
-
-    return Verifier.of(verifier_dir).embedding()
+                         "verifier or call load_verifier_embedding first")
+    return verifier.embedding()
 
 
 def export_size_bytes(draft: Eagle3Draft, dtype: torch.dtype = torch.bfloat16) -> int:
@@ -66,14 +64,14 @@ def export_size_bytes(draft: Eagle3Draft, dtype: torch.dtype = torch.bfloat16) -
 
 
 def export_draft(draft: Eagle3Draft, out_dir: Path, dtype: torch.dtype = torch.bfloat16,
-                 verifier_dir: Path | Verifier | None = None) -> Path:
+                 verifier: Verifier | None = None) -> Path:
     """Write config.json + model.safetensors; returns out_dir. The draft's target_model_type
     (DEEPSEEK_V3 | KIMI_K3) decides what SGLang and TokenSpeed read, and whether the folder
-    carries the embedding (from the draft, else from `verifier_dir`). Warns of every engine that
+    carries the embedding (from the draft, else from `verifier`). Warns of every engine that
     would not serve the folder as trained (aux layers, loader, switches)."""
     out_dir = Path(out_dir)
     config = draft_config_json(draft.config, dtype)
-    tensors = export_tensors(draft, dtype, verifier_dir)
+    tensors = export_tensors(draft, dtype, verifier)
     for engine, got in misreading_engines(config, draft.config.aux_layer_ids).items():
         logger.warning("%s: no config.json serves aux layers %s on every engine: %s would capture %s",
                        out_dir, list(draft.config.aux_layer_ids), engine, list(got))
@@ -108,14 +106,14 @@ def read_tensors(path: Path) -> dict[str, Tensor]:
 
 def load_draft(
     path: Path,
-    verifier_dir: Path | Verifier | None = None,
+    verifier: Verifier | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
 ) -> Eagle3Draft:
     """An exported draft back as Eagle3Draft (weights exactly as stored, cast to `dtype`).
 
     The embedding: a stored `embed_tokens.weight` (Kimi-K3 folders, other tools) when present,
-    else the verifier's when `verifier_dir` is given, else zeros.
+    else the verifier's when `verifier` is given, else zeros.
     """
     path = Path(path)
     cfg = read_folder_config(path)
@@ -129,6 +127,6 @@ def load_draft(
     draft.to(dtype)
     if embed is not None:
         draft.embed_tokens.copy_(embed)
-    elif verifier_dir is not None:
-        draft.load_verifier_embedding(verifier_dir)
+    elif verifier is not None:
+        draft.load_verifier_embedding(verifier)
     return draft

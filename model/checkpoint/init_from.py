@@ -62,7 +62,7 @@ def init_switches(conf_flags: Mapping[str, bool | None], path: Path) -> dict[str
     return switches
 
 
-def draft_config_for_run(draft_conf: Mapping[str, Any], verifier: Verifier | Path | None,
+def draft_config_for_run(draft_conf: Mapping[str, Any], verifier: Verifier | None,
                          init_from: Path | str | None) -> DraftConfig:
     """DraftConfig.from_conf, with the switches of the `train.init_from` folder where the conf
     leaves them null (null without init_from: off)."""
