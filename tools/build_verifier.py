@@ -108,7 +108,11 @@ def evaluate_sums(model: DeepseekV3ForCausalLM, eval_ids: torch.Tensor, seq_len:
 def evaluate(model: DeepseekV3ForCausalLM, eval_ids: torch.Tensor, seq_len: int,
              autocast: bool) -> float:
     """Mean next-token cross-entropy (nats) over held-out windows of seq_len + 1 tokens."""
-    sums = evaluate_sums(model, eval_ids, seq_len, autocast)
+    return mean_loss(evaluate_sums(model, eval_ids, seq_len, autocast), eval_ids, seq_len)
+
+
+def mean_loss(sums: list[float], eval_ids: torch.Tensor, seq_len: int) -> float:
+    """Mean next-token cross-entropy (nats) of evaluate_sums' per-batch sums."""
     return sum(sums) / sum(batch[:, 1:].numel() for batch in heldout_windows(eval_ids, seq_len))
 
 
@@ -212,7 +216,7 @@ def main(cfg: DictConfig) -> None:
     shipped = DeepseekV3ForCausalLM.from_pretrained(staging, dtype=torch.float32)
     # Per batch too, so that a check of the shipped weights can recompute a few batches.
     heldout_sums = evaluate_sums(shipped, eval_ids, tcfg.seq_len, autocast=False)
-    heldout = sum(heldout_sums) / sum(b[:, 1:].numel() for b in heldout_windows(eval_ids, tcfg.seq_len))
+    heldout = mean_loss(heldout_sums, eval_ids, tcfg.seq_len)
     facts = {
         "parameters": sum(p.numel() for p in shipped.parameters()),
         "training_tokens": tcfg.steps * tcfg.batch_size * tcfg.seq_len,
