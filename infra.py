@@ -18,7 +18,7 @@ import signal
 import socket
 import sys
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from functools import cache
 from pathlib import Path
 
@@ -141,6 +141,15 @@ def cpu_flags() -> frozenset[str]:
         return parse_cpu_flags(Path("/proc/cpuinfo").read_text())
     except OSError:
         return frozenset()
+
+
+# x86 units that run bf16 matmuls natively; without them bf16 takes slow fallbacks.
+BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def has_bf16_units(flags: Set[str] | None = None) -> bool:
+    """Whether a CPU with these feature flags (default: this machine's) runs bf16 natively."""
+    return bool(BF16_CPU_FLAGS & set(cpu_flags() if flags is None else flags))
 
 
 Subcommand = Callable[[list[str]], int]

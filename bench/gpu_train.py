@@ -41,11 +41,11 @@ head dims, P_layer = weights of the decoder layer's matmuls, P_fc = 3H x H, V x 
                                                 draft.train_head)
       target head 2 x V x H x C_k               the verifier's distribution: forward only
 
-Not counted (not model FLOPs): the chunked loss recomputing both heads' logits in the backward,
-the eager attention computing masked scores, norms, RoPE and softmax element-wise work.
+Not counted (not model FLOPs): the attention's query blocks computing masked scores and its
+backward recomputing them, norms, RoPE and softmax element-wise work.
 MFU = model FLOPs per step / step time / the GPU's dense bf16 peak (datasheet, table below);
 for a GPU not in the table the FLOP/s are printed without an MFU. The executed FLOP/s (the
-matmuls the eager kernels run, recomputation and full [T, T] scores included) are printed too.
+matmuls the blocked kernels run, recomputation and masked scores included) are printed too.
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ from config import compose_config
 from model.batch import Batch
 from model.chain import step_inputs
 from model.draft import DraftConfig, Eagle3Draft
-from model.mla import attention_block_size, query_blocks
+from model.ttt_attention import attention_block_size, query_blocks
 from train.objective import Eagle3Objective, ObjectiveConfig
 from train.plan import GIB, MemoryPlan, PlanSpec, memory_plan
 
@@ -134,7 +134,7 @@ def _matmul_params(module: nn.Module) -> int:
 
 
 def _executed_score_pairs(segment_ids: Tensor, heads: int) -> int:
-    """(query, key) pairs model/mla.py's block-wise causal attention computes per head and row:
+    """(query, key) pairs model/ttt_attention.py's block-wise causal attention computes per head and row:
     each query block [start, end) scores the keys [lo, end), lo the first key any of its queries
     may see (the block's first sample start, lowest over the micro-batch)."""
     B, L = segment_ids.shape
@@ -146,18 +146,16 @@ def model_flops(draft: Eagle3Draft, batch: Batch, steps: int, *, executed: bool 
     """Model FLOPs of one forward + backward of the objective on `batch` (module docstring).
 
     executed: the matmul FLOPs the kernels run instead: every position of the row, the attention's
-    query blocks against the keys from the block's first visible one to its end, its backward recomputing the scores
-    (2 x dqk more per pair), no diagonal keys (element-wise), and the chunked loss's backward
-    recomputing both heads' logits (what torch's FlopCounterMode counts)."""
+    query blocks against the keys from the block's first visible one to its end (the blocked
+    kernel a GPU runs), its backward recomputing the scores (2 x dqk more per pair), no diagonal
+    keys (element-wise); the chunked loss takes its gradients in its forward, so both heads'
+    logits once (what torch's FlopCounterMode counts)."""
     cfg = draft.config
     real = batch.real
     B, L = real.shape
     T = B * L if executed else int(real.sum())
     head_flops = (6 if cfg.train_head else 4) * cfg.draft_vocab_size * cfg.hidden_size
     target_flops = 2 * cfg.vocab_size * cfg.hidden_size
-    if executed:
-        head_flops += 2 * cfg.draft_vocab_size * cfg.hidden_size
-        target_flops += 2 * cfg.vocab_size * cfg.hidden_size
     attention_width = 2 * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
     causal = int(((batch.position_ids + 1) * real).sum())
     executed_attention = B * cfg.num_attention_heads * _executed_score_pairs(batch.segment_ids, cfg.num_attention_heads) * (

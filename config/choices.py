@@ -23,6 +23,15 @@ class Turns(StrEnum):
     first = "first"             # the first answer only; later turns dropped
 
 
+class RegenerateDtype(StrEnum):
+    """regenerate.dtype: the dtype the verifier decodes its answers in (dump/regenerate.py)."""
+    engine = "engine"           # the capture engine's own (conf/engine dtype): one engine does both
+    auto = "auto"               # bfloat16 where it runs natively (a GPU, a CPU with bf16 units), else engine
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+
+
 class Split(StrEnum):
     """The dump's split and an eval category's: conf/data's held-out rule by sample id."""
     train = "train"
@@ -116,6 +125,7 @@ class FinalRows(StrEnum):
 
 
 class Attention(StrEnum):
-    """draft.attention: the draft layer's attention while training (model/mla.py)."""
-    ttt = "ttt"                 # the TTT-masked attention over the cached steps
+    """draft.attention: the draft layer's attention while training (model/ttt_attention.py)."""
+    ttt = "ttt"                 # the TTT-masked attention over the cached steps (fused CPU kernel where it runs)
+    ttt_blocked = "ttt_blocked" # the same on plain-PyTorch query blocks everywhere (the GPU path)
     reference = "reference"     # the same attention written out plainly (tests compare the two)

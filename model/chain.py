@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from model.batch import Batch
 from model.draft import Eagle3Draft, StepOutput
-from model.mla import TTTCache
+from model.ttt_attention import TTTCache
 
 
 def shift_in_sample(x: Tensor, segment_ids: Tensor, shift: int, fill: float | int | bool) -> Tensor:

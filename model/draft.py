@@ -29,7 +29,8 @@ from torch import Tensor, nn
 
 from config.groups import DraftLayerShape
 from model.aux_ids import to_vllm_aux_ids
-from model.mla import MLAConfig, MLAttention, RMSNorm, TTTCache
+from model.mla import MLAConfig, MLAttention, RMSNorm
+from model.ttt_attention import TTTCache
 from model.rope import RopeSpec
 from model.vocab import draft_to_target, t2d_from_d2t, target_ids_of
 
@@ -65,7 +66,7 @@ class DraftConfig(DraftLayerShape):
     norm_before_residual: bool = False      # the layer's residual is hidden_norm(h), not h
     norm_output: bool = False               # the next step reads norm(output), not the pre-norm output
     # Training-time choices (not part of the exported checkpoint).
-    attention: str = "ttt"                  # "ttt" | "reference" (model/mla.py)
+    attention: str = "ttt"                  # "ttt" | "ttt_blocked" | "reference" (model/ttt_attention.py)
     train_head: bool = False                # train final norm and lm_head too
     train_norm: bool = False                # train the final norm (lm_head stays frozen unless train_head)
 

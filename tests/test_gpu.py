@@ -8,6 +8,8 @@ imports every test module, and this one imports the trainer (train/objective.py,
 `make bench-gpu` alone needs only PyTorch, hydra-core and omegaconf."""
 from __future__ import annotations
 
+import dataclasses
+
 import copy
 import json
 import re
@@ -263,8 +265,9 @@ def test_executed_flops_match_torchs_flop_counter(tiny_cfg: DraftConfig) -> None
     matmuls of one forward + backward (packed row, several loss chunks, TTT 4)."""
     from bench.gpu_train import model_flops
 
-    objective = _objective(tiny_cfg)
-    batch = _packed_batch(tiny_cfg)
+    cfg = dataclasses.replace(tiny_cfg, attention="ttt_blocked")      # the kernel a GPU runs
+    objective = _objective(cfg)
+    batch = _packed_batch(cfg)
     # The attention backward accumulates dk, dv with in-place baddbmm_, which FlopCounterMode's
     # table leaves out (it has the out-of-place baddbmm): counted as the batched matmul it runs.
     counter = FlopCounterMode(display=False, custom_mapping={

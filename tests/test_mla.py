@@ -1,4 +1,5 @@
-"""Tests of model/rope.py and model/mla.py: RoPE against vLLM and transformers, TTT attention kernels."""
+"""Tests of model/rope.py, model/mla.py and model/ttt_attention.py: RoPE against vLLM and transformers,
+the TTT attention kernels."""
 from __future__ import annotations
 
 import itertools
@@ -7,18 +8,18 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from model.mla import (
+from model.mla import MLAConfig, MLAttention, RMSNorm
+from model.ttt_attention import (
     MAX_BLOCK,
     MIN_BLOCK,
     TILE_BYTES,
-    MLAConfig,
-    MLAttention,
-    RMSNorm,
     TTTCache,
     attention_block_size,
     attention_reference,
     attention_ttt,
     causal_attention_with_lse,
+    flash_available,
+    sample_spans,
     ttt_mask,
 )
 from model.rope import RopeSpec, RotaryEmbedding, yarn_get_mscale
@@ -257,6 +258,63 @@ def test_ttt_attention_saves_no_fp32_copy_of_a_row() -> None:
         torch.testing.assert_close(a.float(), b, rtol=2e-2, atol=2e-2)
 
 
+def test_sample_spans_are_the_runs_of_equal_segment_ids() -> None:
+    seg = _packed_segments(2, 24)
+    assert sample_spans(seg, 2, 24) == [(0, 0, 24), (1, 0, 5), (1, 5, 11), (1, 11, 21), (1, 21, 24)]
+    assert sample_spans(None, 2, 7) == [(0, 0, 7), (1, 0, 7)]
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_fused_cpu_kernel_equals_the_blocked_one_with_gradients(steps: int) -> None:
+    """attention_ttt on torch's fused CPU kernel (no block_size, fp32 on the CPU) against the
+    plain-PyTorch query blocks, packed samples and padding: output and every gradient. Head sizes
+    as MLA's, values narrower than keys."""
+    g = torch.Generator().manual_seed(20 + steps)
+    B, T, h, dqk, dv = 2, 24, 3, 16, 8
+    q, cache = _cache(B, T, h, dqk, dv, steps, g)
+    assert flash_available(q)
+    leaves = [q, *cache.tensors()]
+    upstream = torch.randn(B, T, h, dv, generator=g)
+    seg = _packed_segments(B, T)
+    results = []
+    for kernel in (lambda *a: attention_ttt(*a), lambda *a: attention_ttt(*a, block_size=5)):
+        out = kernel(q, cache, 0.41, seg)
+        results.append((out, *torch.autograd.grad((out * upstream).sum(), leaves)))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_fused_cpu_kernel_in_bf16_saves_what_the_blocked_one_saves() -> None:
+    """bf16 in (the training dtype): the fused path keeps the same tensors for the backward as the
+    blocked one (q, keys, values and output in bf16, one fp32 lse [B, T, heads]), and its output
+    and gradients follow the fp32 reference within bf16 rounding."""
+    g = torch.Generator().manual_seed(7)
+    B, T, h, dqk, dv, steps = 1, 40, 2, 16, 8, 3
+    q32, cache32 = _cache(B, T, h, dqk, dv, steps, g)
+    leaves = [t.detach().bfloat16().requires_grad_() for t in (q32, *cache32.tensors())]
+    seg = _packed_segments(2, T)[1:]
+    saved: dict[int, torch.Tensor] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage()._cdata] = t
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = attention_ttt(leaves[0], TTTCache.from_tensors(tuple(leaves[1:])), 0.3, seg)
+    assert out.dtype == torch.bfloat16
+    assert [tuple(t.shape) for t in saved.values() if t.dtype == torch.float32] == [(B, T, h)]
+    assert sum(t.untyped_storage().nbytes() for t in saved.values()) == (
+        2 * B * T * h * (steps + 1) * (dqk + dv) + 4 * B * T * h)
+    upstream = torch.randn(B, T, h, dv, generator=g)
+    grads = torch.autograd.grad((out.float() * upstream).sum(), leaves)
+    ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
+    ref = attention_reference(ref_leaves[0], TTTCache.from_tensors(tuple(ref_leaves[1:])), 0.3, seg)
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=2e-2)
+    for a, b in zip(grads, torch.autograd.grad((ref * upstream).sum(), ref_leaves)):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), b, rtol=2e-2, atol=2e-2)
+
+
 class _ShapeRecorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
@@ -349,7 +407,7 @@ def _all_packed(T: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("T,block", [(40, 4), (40, 9), (64, 16)])
 def test_blockwise_attention_skips_earlier_samples_exactly(T: int, block: int) -> None:
-    from model.mla import query_blocks
+    from model.ttt_attention import query_blocks
 
     seg = _all_packed(T)
     blocks = query_blocks(T, block, seg)

@@ -386,8 +386,8 @@ def test_lk_floor_keeps_disjoint_distributions_finite() -> None:
 
 
 def test_acceptance_null_runs_todays_loss_only(monkeypatch) -> None:
-    """acceptance None never calls the term's maths, and equals bit for bit the acceptance branch
-    at weight 0 (whose CE is computed with the same operations)."""
+    """acceptance None never calls the term's maths, and equals the acceptance branch at weight 0
+    to rounding (acceptance None computes its gradients in the forward, in another order)."""
     normed, head, target_hidden, target_head, keep = _acceptance_case(pruned=True, seed=2)
     inputs = [t.float() if t is not None and t.is_floating_point() else t
               for t in (normed, head, target_hidden, target_head, keep)]
@@ -402,7 +402,8 @@ def test_acceptance_null_runs_todays_loss_only(monkeypatch) -> None:
     for call in (lambda x, w: soft_cross_entropy(x, w, *inputs[2:], 7)[0],
                  lambda x, w: soft_cross_entropy(x, w, *inputs[2:], 7, acceptance=None, acceptance_weight=3.0)[0]):
         null = _grads(call, *inputs[:2])
-        assert all(torch.equal(a, b) for a, b in zip(null, weight_zero))
+        for a, b in zip(null, weight_zero):
+            torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-5, check_dtype=False)   # float32 rounding
 
 
 @pytest.mark.parametrize("kind", ["tv", "lk"])

@@ -101,7 +101,7 @@ def test_meta_activations_and_peak_match_the_cpu_allocator(tiny_cfg: DraftConfig
 
 
 def test_saved_activations_grow_linearly_with_the_row(tiny_cfg: DraftConfig) -> None:
-    """The block-wise causal attention (model/mla.py) saves q, k, v, out and lse, no [heads, T, T]
+    """The block-wise causal attention (model/ttt_attention.py) saves q, k, v, out and lse, no [heads, T, T]
     scores: doubling T doubles the saved activations, and nothing saved is T x T."""
     cfg = ObjectiveConfig(STEPS, 0.8, 1 << 27)
     short, long = (measure_step(meta_objective(tiny_cfg, cfg, torch.bfloat16), meta_batch(tiny_cfg, 1, T), STEPS)
@@ -206,7 +206,7 @@ def test_a_sequence_parallel_rank_holds_its_tokens_and_its_heads(tiny_cfg: Draft
     # core's output, a tensor apart from the output the core keeps.
     o_proj_inputs = STEPS * (T // sp) * h * dv * bf16
     assert rows["  per-token parts"] == _rows(half_row)["  per-token parts"] + o_proj_inputs
-    # What attention_ttt saves (model/mla.py), per step over the whole row for h / SP heads: q, k,
+    # What attention_ttt saves (model/ttt_attention.py), per step over the whole row for h / SP heads: q, k,
     # v and the output in bf16, one fp32 log-sum-exp per query and head.
     assert rows["  attention core"] == STEPS * T * (h // sp) * ((2 * dqk + 2 * dv) * bf16 + 4)
     # One all-to-all carries q, k, v of the rank's 256 tokens: its send and receive buffers.

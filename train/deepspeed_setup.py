@@ -15,11 +15,8 @@ from omegaconf import OmegaConf
 from config.choices import Precision, names
 from config.stages import TrainConf, TrainJob
 from config.validate import warmup_problems
-from infra import cpu_flags as read_cpu_flags
+from infra import has_bf16_units
 from train.objective import Eagle3Objective
-
-BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})   # x86 units that run bf16 matmuls natively
-
 
 def precision_of(precision: str, device_type: str | None = None,
                  cpu_flags: Set[str] | None = None) -> str:
@@ -39,8 +36,7 @@ def precision_of(precision: str, device_type: str | None = None,
         device_type = get_accelerator().device_name()
     if device_type != "cpu":
         return "bf16"
-    flags = read_cpu_flags() if cpu_flags is None else cpu_flags
-    return "bf16" if BF16_CPU_FLAGS & set(flags) else "fp32"
+    return "bf16" if has_bf16_units(cpu_flags) else "fp32"
 
 
 def deepspeed_config(cfg: TrainJob) -> dict[str, Any]:

@@ -187,6 +187,17 @@ def topk_targets(batch: Batch, target_head: Tensor, k: int, chunk_bytes: int) ->
 
 
 # ---- chunked soft cross-entropy -------------------------------------------------------------
+# Row counts of the loss's low-precision matmuls are padded up to a multiple of this: the CPU's
+# bf16 kernels (oneDNN) build and keep a kernel per shape, and the counted positions of a
+# micro-batch are a new number at nearly every step, so unpadded matmuls spend the step compiling
+# kernels, and a long run fills the kernel cache (and the memory) with shapes seen once.
+ROW_GRID = 64
+
+
+def on_row_grid(n: int) -> int:
+    return -(-n // ROW_GRID) * ROW_GRID
+
+
 class _Blocks:
     """The [chunk, V] fp32 buffers of one pass, allocated once and reused for every chunk (fresh
     100 MB blocks per chunk cost page faults on the CPU), and the in-place maths on them."""
@@ -197,19 +208,33 @@ class _Blocks:
         self.target = torch.empty(chunk, target_vocab, **f32)            # verifier logits
         self.kept = torch.empty(chunk, draft_vocab, **f32) if pruned else None   # ... on the draft vocabulary
         self.draft = torch.empty(chunk, draft_vocab, **f32)              # draft logits
-        # The acceptance term's q (forward) and d(-alpha)/dz (backward), next to p and z.
+        # A third block beside p and z: the acceptance term's q (forward) and d(-alpha)/dz
+        # (backward), or p * z where the plain loss takes its gradients in the forward.
         self.accept = torch.empty(chunk, draft_vocab, **f32) if acceptance else None
-        # Matmuls in a low precision land here before their fp32 copy.
-        self.scratch = (torch.empty(chunk * max(target_vocab, draft_vocab), dtype=dtype, device=device)
+        # Matmuls in a low precision land here before their fp32 copy, on rows padded to the grid.
+        self.grid_rows = on_row_grid(chunk)
+        self.scratch = (torch.empty(self.grid_rows * max(target_vocab, draft_vocab), dtype=dtype, device=device)
                         if dtype != torch.float32 else None)
+        self.rows: Tensor | None = None          # [grid rows, H] low-precision inputs, zero past the rows
+
+    def padded_rows(self, x: Tensor) -> Tensor:
+        """x [c, H] copied into the rows buffer, zero rows up to on_row_grid(c)."""
+        n = x.shape[0]
+        if self.rows is None or self.rows.shape[1] != x.shape[1]:
+            self.rows = x.new_empty(self.grid_rows, x.shape[1])
+        rows = self.rows[:on_row_grid(n)]
+        rows[:n] = x
+        rows[n:].zero_()
+        return rows
 
     def logits(self, out: Tensor, x: Tensor, w: Tensor) -> Tensor:
         """out[:c] = x @ w.T in fp32; x [c, H], w [V, H]."""
         out = out[:x.shape[0]]
         if self.scratch is None:
             return torch.mm(x, w.T, out=out)
-        low = self.scratch[:out.numel()].view(out.shape)
-        return out.copy_(torch.mm(x, w.T, out=low))
+        rows = self.padded_rows(x)
+        low = self.scratch[:rows.shape[0] * w.shape[0]].view(rows.shape[0], w.shape[0])
+        return out.copy_(torch.mm(rows, w.T, out=low)[:x.shape[0]])
 
     def target_probs(self, target_hidden: Tensor, target_head: Tensor, keep: Tensor | None,
                      with_top: bool = True) -> tuple[Tensor, Tensor | None]:
@@ -276,12 +301,18 @@ class ChunkedSoftCE(torch.autograd.Function):
     def forward(ctx, normed: Tensor, head: Tensor, target_hidden: Tensor | None, target_head: Tensor,
                 keep: Tensor | None, chunk: int, cache: TargetCache | None = None,
                 rows: Tensor | None = None, acceptance: str | None = None,
-                acceptance_weight: float = 1.0) -> tuple[Tensor, Tensor]:
+                acceptance_weight: float = 1.0, recording: bool = False) -> tuple[Tensor, Tensor]:
         loss = torch.zeros((), dtype=torch.float64, device=normed.device)
         N = normed.shape[0]
         correct = torch.zeros(N, dtype=torch.bool, device=normed.device)
         alpha = None if acceptance is None else torch.empty(N, dtype=torch.float32, device=normed.device)
-        blocks = _target_blocks(normed, head, target_head, keep, chunk, cache, acceptance is not None)
+        # The plain soft CE's gradients are known once a chunk's softmax is: computed here, they
+        # spare the backward its second pass over the logits (a matmul and a softmax per chunk).
+        want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        eager = recording and acceptance is None and (want_x or want_w)
+        blocks = _target_blocks(normed, head, target_head, keep, chunk, cache, acceptance is not None or eager)
+        grad_x = torch.empty_like(normed) if eager and want_x else None
+        grad_w = torch.zeros(head.shape, dtype=torch.float32, device=head.device) if eager and want_w else None
         for c in range(0, N, chunk):
             p, top = (blocks.cached_probs(cache, rows[c:c + chunk]) if cache is not None
                       else blocks.target_probs(_chunk_rows(target_hidden, rows, c, chunk), target_head, keep))
@@ -299,10 +330,26 @@ class ChunkedSoftCE(torch.autograd.Function):
                 loss += row_loss.sum().double()
                 continue
             # -sum p log q = lse(z) - sum p z   (p sums to 1)
+            if eager:
+                pz = torch.mul(p, z, out=blocks.accept[:z.shape[0]]).sum(-1)
+                m = z.amax(-1)
+                e = z.sub_(m[:, None]).exp_()
+                total = e.sum(-1)
+                loss += (total.log() + m - pz).sum().double()
+                dz = e.div_(total[:, None]).sub_(p)                         # [c, Vd] softmax(z) - p
+                _accumulate_grads(blocks, dz, normed[c:c + chunk], head,
+                                  grad_x[c:c + chunk] if want_x else None, grad_w)
+                continue
             pz = p.mul_(z).sum(-1)
             m = z.amax(-1)
             lse = z.sub_(m[:, None]).exp_().sum(-1).log_().add_(m)
             loss += (lse - pz).sum().double()
+        if eager:
+            ctx.save_for_backward(grad_x, grad_w)
+            ctx.eager, ctx.head_dtype = True, head.dtype
+            ctx.mark_non_differentiable(correct)
+            return loss, correct
+        ctx.eager = False
         ctx.save_for_backward(normed, head, target_hidden, target_head, keep, rows, alpha)
         ctx.chunk, ctx.cache = chunk, cache
         ctx.acceptance, ctx.acceptance_weight = acceptance, acceptance_weight
@@ -311,6 +358,12 @@ class ChunkedSoftCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor, _: Tensor) -> tuple[Tensor | None, ...]:
+        rest = (None,) * 9
+        if ctx.eager:                                           # gradients of the loss sum, from the forward
+            grad_x, grad_w = ctx.saved_tensors
+            g = grad_loss.float()
+            return (None if grad_x is None else grad_x * g.to(grad_x.dtype),
+                    None if grad_w is None else (grad_w * g).to(ctx.head_dtype), *rest)
         normed, head, target_hidden, target_head, keep, rows, alpha = ctx.saved_tensors
         cache, acceptance = ctx.cache, ctx.acceptance
         want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -335,7 +388,7 @@ class ChunkedSoftCE(torch.autograd.Function):
                     dz.mul_(_hybrid_lambda(alpha[c:c + chunk], ctx.acceptance_weight)[:, None])
                 dz.addcmul_(d_alpha, scale[c:c + chunk, None]).mul_(g)
             _accumulate_grads(blocks, dz, x, head, grad_x[c:c + chunk] if want_x else None, grad_w)
-        return grad_x, None if grad_w is None else grad_w.to(head.dtype), None, None, None, None, None, None, None, None
+        return grad_x, None if grad_w is None else grad_w.to(head.dtype), None, None, None, None, None, None, None, None, None
 
 
 def _chunk_rows(target_hidden: Tensor, rows: Tensor | None, c: int, chunk: int) -> Tensor:
@@ -402,16 +455,22 @@ def _target_blocks(normed: Tensor, head: Tensor, target_head: Tensor, keep: Tens
 def _accumulate_grads(blocks: _Blocks, dz: Tensor, x: Tensor, head: Tensor, grad_x: Tensor | None,
                       grad_w: Tensor | None) -> None:
     """One chunk's gradients from dz [c, Vd] = d loss / d logits: grad_x [c, H] = dz @ head
-    (written), grad_w [Vd, H] += dz.T @ x (fp32); the matmuls in x's dtype."""
-    if x.dtype != torch.float32:
-        dz = blocks.scratch[:dz.numel()].view(dz.shape).copy_(dz)
-    if grad_x is not None:
-        torch.mm(dz, head, out=grad_x)
-    if grad_w is not None:
-        if dz.dtype == torch.float32:
+    (written), grad_w [Vd, H] += dz.T @ x (fp32); the matmuls in x's dtype (a low one on rows
+    padded to the grid, zero past c)."""
+    if x.dtype == torch.float32:
+        if grad_x is not None:
+            torch.mm(dz, head, out=grad_x)
+        if grad_w is not None:
             grad_w.addmm_(dz.T, x)
-        else:
-            grad_w += (dz.T @ x).float()
+        return
+    n = dz.shape[0]
+    low = blocks.scratch[:on_row_grid(n) * dz.shape[1]].view(-1, dz.shape[1])
+    low[:n].copy_(dz)
+    low[n:].zero_()
+    if grad_x is not None:
+        grad_x.copy_(torch.mm(low, head)[:n])
+    if grad_w is not None:
+        grad_w += (low.T @ blocks.padded_rows(x)).float()
 
 
 def soft_cross_entropy(normed: Tensor, head: Tensor, target_hidden: Tensor | None, target_head: Tensor,
@@ -429,8 +488,10 @@ def soft_cross_entropy(normed: Tensor, head: Tensor, target_hidden: Tensor | Non
     the sum also holds acceptance_weight times each row's acceptance term (module docstring).
     """
     check_acceptance(acceptance)
+    # Whether autograd records this call: inside forward grad mode is always off, and
+    # needs_input_grad says only which inputs require grad.
     return ChunkedSoftCE.apply(normed, head, target_hidden, target_head, keep, chunk, cache, rows,
-                               acceptance, acceptance_weight)
+                               acceptance, acceptance_weight, torch.is_grad_enabled())
 
 
 # ---- chunked top-k (bucket) cross-entropy ---------------------------------------------------

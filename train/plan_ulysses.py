@@ -24,7 +24,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from model.mla import MLAttention, TTTCache
+from model.mla import MLAttention
+from model.ttt_attention import TTTCache
 
 Attention = Callable[..., Tensor]          # (q, cache, scale, segment_ids) -> out
 
