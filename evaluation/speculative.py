@@ -1,8 +1,11 @@
 """Real accept length: vLLM speculative decoding (method eagle3) with an exported draft.
 
-The counters come from vLLM itself (`LLM.get_metrics()`: vllm:spec_decode_num_drafts and
-vllm:spec_decode_num_accepted_tokens_per_pos), read before and after each run so that one engine
-serves every category and sampling mode. vLLM is imported only when an engine starts.
+The counters come from vLLM itself. `run_prompts` reads the engine's totals (`LLM.get_metrics()`:
+vllm:spec_decode_num_drafts and vllm:spec_decode_num_accepted_tokens_per_pos) before and after one
+run. `run_together` decodes several runs (every category and sampling mode) in one engine call, so
+that the engine's steps carry all of them at once instead of one small batch after another, and
+splits the counts by run from vLLM's per-request histogram of accepted drafts per verifier pass;
+their sum must equal the totals' increase over the call. vLLM is imported only when an engine starts.
 """
 from __future__ import annotations
 
@@ -122,7 +125,8 @@ def speculative_engine(verifier_dir: Path, engine_cfg: EngineConf, draft_dir: Pa
 
     speculative = speculative_config(engine_cfg, draft_dir, num_speculative_tokens, draft_sample)
     llm = make_llm(verifier_dir, engine_cfg, trust_remote_code=trust_remote_code, speculative_config=speculative,
-                   disable_log_stats=False, max_model_len=max_model_len)
+                   disable_log_stats=False, max_model_len=max_model_len,
+                   per_request_spec_decode_metrics="summary")
     if any(llm.collective_rpc(_patch_expand)):
         logger.warning("vLLM's CPU expand_kernel returns garbage for float inputs (sampled requests' "
                        "temperature / top-p): replaced in the workers by evaluation.speculative.expand_tokens_impl")
@@ -155,3 +159,57 @@ def run_prompts(llm, prompts: Sequence[Sequence[int]], K: int, max_tokens: int, 
     delta = AcceptCounts(after.drafts - before.drafts,
                          [a - b for a, b in zip(after.accepted_per_pos, before.accepted_per_pos)])
     return RealRun(delta, [list(o.outputs[0].token_ids) for o in outputs], wall)
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """One run of `run_together`: its prompts and how they are sampled (temperature 0: greedy)."""
+
+    prompts: Sequence[Sequence[int]]
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+def request_counts(histogram: Sequence[int]) -> AcceptCounts:
+    """One request's counts from vLLM's histogram of accepted drafts per verifier pass (index j:
+    passes that accepted j drafts): passes = its sum, position k accepted in passes with j > k."""
+    K = len(histogram) - 1
+    return AcceptCounts(float(sum(histogram)), [float(sum(histogram[k + 1:])) for k in range(K)])
+
+
+def run_together(llm, runs: Sequence[RunRequest], K: int, max_tokens: int,
+                 stop_token_ids: list[int]) -> list[RealRun]:
+    """Every run's requests in one engine call (an engine from `speculative_engine`, which asks vLLM
+    for per-request counts); each RealRun holds its requests' counts and outputs and the call's
+    wall time. Refused if the per-request counts do not add up to the engine's totals."""
+    from vllm import SamplingParams, TokensPrompt
+
+    requests, params, owner = [], [], []
+    for r, run in enumerate(runs):
+        for i, prompt in enumerate(run.prompts):
+            requests.append(TokensPrompt(prompt_token_ids=[int(t) for t in prompt]))
+            params.append(SamplingParams(max_tokens=max_tokens, temperature=run.temperature, top_p=run.top_p,
+                                         seed=None if run.temperature == 0 else run.seed + i,
+                                         stop_token_ids=stop_token_ids))
+            owner.append(r)
+    before = read_counters(llm, K)
+    began = time.perf_counter()
+    outputs = generate_together(llm, requests, params)
+    wall = time.perf_counter() - began
+    after = read_counters(llm, K)
+    counts = [AcceptCounts.zeros(K) for _ in runs]
+    texts: list[list[list[int]]] = [[] for _ in runs]
+    for r, out in zip(owner, outputs):
+        metrics = out.outputs[0].spec_decode_metrics
+        if metrics is None:
+            raise RuntimeError("vLLM returned no per-request spec-decode counts: start the engine with "
+                               "speculative_engine (per_request_spec_decode_metrics)")
+        counts[r] = counts[r] + request_counts(metrics.histogram)
+        texts[r].append(list(out.outputs[0].token_ids))
+    total = sum(counts, AcceptCounts.zeros(K))
+    engine = AcceptCounts(after.drafts - before.drafts,
+                          [a - b for a, b in zip(after.accepted_per_pos, before.accepted_per_pos)])
+    if (total.drafts, total.accepted_per_pos) != (engine.drafts, engine.accepted_per_pos):
+        raise RuntimeError(f"per-request spec-decode counts {total} do not add up to the engine's {engine}")
+    return [RealRun(c, t, wall) for c, t in zip(counts, texts)]

@@ -170,7 +170,7 @@ def test_a_dump_stopped_between_the_calls_of_a_round_resumes_to_the_uninterrupte
 
     def cfg(out: Path) -> DictConfig:
         return dump_cfg(out, conversations_file, "batch_size=6", "capture.max_batch_tokens=200",
-                        "store.shard_bytes=1", "regenerate.max_tokens=16")
+                        "store.shard_bytes=1", "regenerate.max_tokens=16", "regenerate.dtype=engine")
 
     whole = run_dump(cfg(tmp_path / "whole"), llm=verifier_llm)
     assert whole["samples_written"] == 6
@@ -200,3 +200,50 @@ def test_an_engine_call_is_scheduled_the_same_way_every_time(fp32_store: Path, v
     for run in again:
         for i, (a, b) in enumerate(zip(first, run)):
             assert torch.equal(a.final, b.final) and torch.equal(a.aux, b.aux), f"prompt {i}"
+
+
+@pytest.mark.parametrize("dtype, flags, want", [
+    ("engine", frozenset(), "float32"),
+    ("auto", frozenset({"avx512f", "amx_bf16"}), "bfloat16"),
+    ("auto", frozenset({"avx512f", "avx512_bf16"}), "bfloat16"),
+    ("auto", frozenset({"avx2"}), "float32"),
+    ("float16", frozenset(), "float16"),
+])
+def test_the_generation_dtype_follows_the_cpu(dtype: str, flags: frozenset, want: str) -> None:
+    from dump.regenerate import generation_dtype
+
+    assert generation_dtype(dtype, "float32", on_cpu=True, cpu_flags=flags) == want
+    assert generation_dtype("auto", "float32", on_cpu=False) == "bfloat16"      # an accelerator
+
+
+def test_answers_decoded_in_bf16_are_captured_by_the_fp32_engine(tmp_path: Path, conversations_file: Path,
+                                                                  verifier_llm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """regenerate.dtype=bfloat16 beside the float32 capture engine: a second engine, in bfloat16,
+    decodes the answers (and is shut down with the dump), and the store holds the float32 engine's
+    states of those texts, bit for bit what that engine captures of them again."""
+    import dump.pipeline as pipeline
+    from dump.capture import HiddenStateCapture, capture_spec
+
+    decoders = []
+    original = pipeline.generation_engine
+
+    def recording(cfg, verifier, llm):
+        decoder = original(cfg, verifier, llm)
+        decoders.append(decoder)
+        return decoder
+
+    monkeypatch.setattr(pipeline, "generation_engine", recording)
+    out = tmp_path / "bf16-answers"
+    summary = pipeline.run_dump(dump_cfg(out, conversations_file, "batch_size=6", "regenerate.max_tokens=16",
+                                         "regenerate.dtype=bfloat16", "store=fp32"), llm=verifier_llm)
+    assert summary["samples_written"] == 6
+    assert len(decoders) == 1 and decoders[0] is not verifier_llm
+    assert decoders[0].llm_engine.model_config.dtype == torch.bfloat16
+    assert verifier_llm.llm_engine.model_config.dtype == torch.float32
+    reader = StoreReader(out)
+    refs = reader.samples()
+    samples = [reader.read_sample(ref, torch.float32) for ref in refs]
+    capture = HiddenStateCapture(verifier_llm, capture_spec(Verifier.from_conf(compose_config("dump").verifier)))
+    again = capture.capture([[int(t) for t in s.input_ids] for s in samples])
+    for stored, fresh in zip(samples, again):
+        assert torch.equal(stored.aux, fresh.aux) and torch.equal(stored.final, fresh.final)

@@ -26,7 +26,8 @@ CONVERSATIONS = 12
 # either way), and each run starts without spawning the engine-core and worker processes. The
 # store they end with must still equal, bit for bit, the uninterrupted one of the session's
 # multiprocess engine.
-OVERRIDES = ["data=jsonl", "max_len=512", "batch_size=2", "store.shard_bytes=1", "regenerate.max_tokens=16"]
+OVERRIDES = ["data=jsonl", "max_len=512", "batch_size=2", "store.shard_bytes=1", "regenerate.max_tokens=16",
+             "regenerate.dtype=engine"]   # one engine decodes and captures (test_dump tests a second)
 
 
 @pytest.fixture(scope="module")

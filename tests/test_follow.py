@@ -157,7 +157,7 @@ def test_rank_0_decides_the_windows_and_the_others_read_them(tmp_path: Path) -> 
 CONVERSATIONS = 16
 # A 1 GiB KV cache per dump engine (the data is 16 short conversations): the test's engines and the
 # session's shared one fit a 24 GiB machine.
-DUMP = ["data=jsonl", "max_len=384", "batch_size=2", "store.shard_bytes=1", "regenerate.max_tokens=16",
+DUMP = ["data=jsonl", "max_len=384", "batch_size=2", "store.shard_bytes=1", "regenerate.max_tokens=16", "regenerate.dtype=engine",
         "store.poll_s=0.2", "heldout_split.heldout_fraction=0.25", "engine.kv_cache_space_gib=1"]
 
 

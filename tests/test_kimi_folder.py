@@ -110,7 +110,7 @@ def test_dump_train_and_evaluate_on_a_kimi_folder(kimi_folder: Path, tmp_path: P
     store = tmp_path / "store"
     dump_cfg = compose_config("dump", [*_verifier(kimi_folder), "data.max_samples=8", "max_len=256",
                                        "heldout_set.conversations=0",
-                                       "regenerate.max_tokens=24", f"output_dir={store}"])
+                                       "regenerate.max_tokens=24", "regenerate.dtype=engine", f"output_dir={store}"])
     spec = capture_spec(Verifier.from_conf(dump_cfg.verifier))
     llm = start_capture_engine(kimi_folder, dump_cfg.engine, spec, int(dump_cfg.max_len), trust_remote_code=True)
     try:
