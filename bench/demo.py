@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.machine import machine
 from infra import REPO_ROOT, resolve
 from config import compose_config
 from train.metrics import read_jsonl
@@ -97,7 +98,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     stage("train", ["train", "eval.every=0", f"hydra.run.dir={DEMO / 'train'}"], times)
     stage("eval", ["evaluation", f"draft_dir={DEMO / 'train' / 'draft'}", f"hydra.run.dir={DEMO / 'eval'}"], times)
     times["total"] = time.perf_counter() - began
-    report = {"what": __doc__.splitlines()[0], "command": "make demo", "stage_seconds": times,
+    report = {"what": __doc__.splitlines()[0], "command": "make demo",
+              "date": time.strftime("%Y-%m-%d", time.gmtime()), "machine": machine(), "stage_seconds": times,
               "store": store_figures(store), "train": train_figures(DEMO / "train"),
               "eval": eval_figures(DEMO / "eval"), "verifier_heldout_perplexity": verifier_perplexity()}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -32,21 +30,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from infra import REPO_ROOT, cpu_flags
+from bench.machine import machine
+from infra import REPO_ROOT
 from store import StoreReader
 from store.progress import read_retired, shards_bytes
 
 ROOT = REPO_ROOT / "runs" / "bench-follow"
 OUT = REPO_ROOT / "bench" / "results" / "follow.json"
 TRAIN = ["train.num_workers=0"]
-
-
-def _machine() -> dict[str, Any]:
-    """The CPU both stages share here (the figures are this machine's, not a cluster's)."""
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    names = [line.partition(":")[2].strip() for line in cpuinfo.splitlines() if line.startswith("model name")]
-    return {"processor": names[0] if names else platform.machine(), "cores": os.cpu_count(),
-            "amx_bf16": "amx_bf16" in cpu_flags(), "avx512_bf16": "avx512_bf16" in cpu_flags()}
 
 
 def _launch(args: list[str], log: Path) -> subprocess.Popen:
@@ -119,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             "store.shard_bytes=4194304"]
     train = [*TRAIN, f"train.epochs={args.epochs}"]
     report: dict[str, Any] = {"command": " ".join(["python -m bench.follow", *(argv or sys.argv[1:])]),
-                              "samples": args.samples, "epochs": args.epochs, "machine": _machine(),
+                              "samples": args.samples, "epochs": args.epochs, "machine": machine(),
                               "baseline": baseline(dump, train), "follow": []}
     base = report["baseline"]
     print(f"baseline: {base['wall_s']:.0f} s, accept {base['heldout_chain_accept_length']:.3f}", flush=True)

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -41,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import infra
+from bench.machine import machine
 from bench.process_tree import GIB, checked, watch
 
 infra.configure_environment()
@@ -354,16 +353,6 @@ def main(argv: list[str] | None = None) -> int:
     rehearsal.save()
     print(f"wrote {rehearsal.out}")
     return 0
-
-
-def machine() -> dict[str, Any]:
-    import psutil
-
-    flags = infra.cpu_flags()
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor())
-    return {"cpu": model, "cores": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / GIB, 1),
-            "amx": "amx_bf16" in flags, "avx512_bf16": "avx512_bf16" in flags}
 
 
 if __name__ == "__main__":
