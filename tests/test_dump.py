@@ -19,6 +19,7 @@ from infra import REPO_ROOT
 from config import compose_config
 from model.verifier_handle import Verifier
 from store import StoreReader
+from tests.conftest import in_process_vllm
 from tests.test_capture import assert_matches_transformers
 
 pytestmark = pytest.mark.vllm
@@ -234,8 +235,9 @@ def test_answers_decoded_in_bf16_are_captured_by_the_fp32_engine(tmp_path: Path,
 
     monkeypatch.setattr(pipeline, "generation_engine", recording)
     out = tmp_path / "bf16-answers"
-    summary = pipeline.run_dump(dump_cfg(out, conversations_file, "batch_size=6", "regenerate.max_tokens=16",
-                                         "regenerate.dtype=bfloat16", "store=fp32"), llm=verifier_llm)
+    with in_process_vllm():       # the decoding engine in this process: no engine processes to start
+        summary = pipeline.run_dump(dump_cfg(out, conversations_file, "batch_size=6", "regenerate.max_tokens=16",
+                                             "regenerate.dtype=bfloat16", "store=fp32"), llm=verifier_llm)
     assert summary["samples_written"] == 6
     assert len(decoders) == 1 and decoders[0] is not verifier_llm
     assert decoders[0].llm_engine.model_config.dtype == torch.bfloat16
