@@ -1,11 +1,11 @@
 """Real accept length: vLLM speculative decoding (method eagle3) with an exported draft.
 
-The counters come from vLLM itself. `run_prompts` reads the engine's totals (`LLM.get_metrics()`:
-vllm:spec_decode_num_drafts and vllm:spec_decode_num_accepted_tokens_per_pos) before and after one
-run. `run_together` decodes several runs (every category and sampling mode) in one engine call, so
-that the engine's steps carry all of them at once instead of one small batch after another, and
-splits the counts by run from vLLM's per-request histogram of accepted drafts per verifier pass;
-their sum must equal the totals' increase over the call. vLLM is imported only when an engine starts.
+The counters come from vLLM itself. `run_together` decodes several runs (every category and
+sampling mode) in one engine call, so that the engine's steps carry all of them at once instead of
+one small batch after another, and splits the counts by run from vLLM's per-request histogram of
+accepted drafts per verifier pass; their sum must equal the increase of the engine's totals
+(`LLM.get_metrics()`: vllm:spec_decode_num_drafts and vllm:spec_decode_num_accepted_tokens_per_pos)
+over the call. vLLM is imported only when an engine starts.
 """
 from __future__ import annotations
 
@@ -144,21 +144,8 @@ def read_counters(llm, K: int) -> AcceptCounts:
 
 def run_prompts(llm, prompts: Sequence[Sequence[int]], K: int, max_tokens: int, stop_token_ids: list[int],
                 temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> RealRun:
-    """Generate for every prompt; the counters' increase is this run's."""
-    from vllm import SamplingParams, TokensPrompt
-
-    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                             seed=None if temperature == 0 else seed + i, stop_token_ids=stop_token_ids)
-              for i in range(len(prompts))]
-    requests = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts]
-    before = read_counters(llm, K)
-    began = time.perf_counter()
-    outputs = generate_together(llm, requests, params)
-    wall = time.perf_counter() - began
-    after = read_counters(llm, K)
-    delta = AcceptCounts(after.drafts - before.drafts,
-                         [a - b for a, b in zip(after.accepted_per_pos, before.accepted_per_pos)])
-    return RealRun(delta, [list(o.outputs[0].token_ids) for o in outputs], wall)
+    """Generate for every prompt: one run of `run_together`."""
+    return run_together(llm, [RunRequest(prompts, temperature, top_p, seed)], K, max_tokens, stop_token_ids)[0]
 
 
 @dataclass(frozen=True)
