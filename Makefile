@@ -12,18 +12,20 @@ ARGS ?=
 # make runs before Python does (pip).
 export HF_HUB_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
+# Python writes the bytecode of what it imports (into .venv, and __pycache__ folders git ignores),
+# also where the environment says not to: with PYTHONDONTWRITEBYTECODE set, every process the
+# commands start (each engine worker, trainer rank, the tests' `python -m` runs) would compile
+# torch, vLLM and transformers from source again.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: setup verifier test clean-setup
 
 setup: $(VENV)/.setup-done
 
 # One stamp per install flavour: re-runs only when pyproject.toml changes.
-# Bytecode: pip compiles what it installs one file after another (half the install); compileall
-# does it on every core instead. Compiled here, not left to Python's first import: where
-# PYTHONDONTWRITEBYTECODE is set (this project's machines set it), Python never writes it, and every
-# process (each engine worker, trainer rank, `python -m` of the tests) would compile torch, vLLM
-# and transformers from source again, at every start. Files that are not Python 3.11 (templates,
-# other versions' backports) fail to compile and are never imported: ignored.
+# --no-compile: pip would compile every file it installs to bytecode, tens of thousands of them,
+# most never imported, one after another (half the install); Python compiles what is imported,
+# once (see PYTHONDONTWRITEBYTECODE above; the check at the end imports the heavy ones).
 $(VENV)/.setup-done: pyproject.toml
 	@test -x $(PY) || $(PYTHON_SYS) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -40,7 +42,6 @@ else
 	# TORCH_EXTENSIONS_DIR: once here, on an idle machine, so that no training waits on the compiler.
 	$(PY) -c "import infra; infra.configure_environment(); from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()"
 endif
-	$(PY) -m compileall -q -j 0 $$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") > /dev/null || true
 	$(PY) -c "import torch, vllm, deepspeed, zarr, transformers; print('setup ok: torch', torch.__version__, 'vllm', vllm.__version__, 'deepspeed', deepspeed.__version__, 'zarr', zarr.__version__)"
 	@touch $@
 

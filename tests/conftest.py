@@ -18,34 +18,23 @@ from model.verifier import verifier_dir
 infra.configure_environment()
 
 
-def _keep_this_worker_to_its_cores() -> None:
+def _give_this_worker_its_share_of_threads() -> None:
     """Under `make test`'s N pytest workers, each worker, and every engine worker, trainer rank and
-    `python -m` process it starts, keeps to its own 1/N of the cores, with as many OpenMP threads.
-    Left alone, each process of each worker spins one OpenMP thread per core of the machine and
-    vLLM binds its worker's threads to every core: two workers' processes then hold twice as many
-    busy threads as there are cores, and OpenMP threads that lose their core wait on each other
-    (tests that take a minute alone took three beside another). The affinity is inherited by the
-    processes a test starts; vLLM's automatic binding reads it (os.sched_getaffinity)."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    `python -m` process it starts, computes on 1/N of the cores' worth of OpenMP threads, and vLLM
+    leaves the threads unbound. Left alone, every such process spins one OpenMP thread per core of
+    the machine and vLLM binds its worker's threads to every core: two workers' processes then
+    hold more busy threads than there are cores, and OpenMP threads that lose their core wait on
+    each other (tests that take a minute alone took three beside another). Unbound, the processes
+    of a test that runs alone at the end still spread over every core."""
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if worker is None or count < 2 or not hasattr(os, "sched_setaffinity"):
+    if "PYTEST_XDIST_WORKER" not in os.environ or count < 2:
         return
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < count:
-        return
-    share = len(cores) // count
-    index = int(worker.removeprefix("gw")) % count
-    mine = cores[index * share:(index + 1) * share]
-    os.sched_setaffinity(0, mine)
-    os.environ["OMP_NUM_THREADS"] = str(len(mine))
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // count))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
-_keep_this_worker_to_its_cores()    # before torch is imported: it reads OMP_NUM_THREADS once
+_give_this_worker_its_share_of_threads()    # before torch is imported: it reads OMP_NUM_THREADS once
 
-
-def cores_of_this_worker() -> list[int]:
-    """The cores this test process may use (all of them outside `make test`'s workers)."""
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 # `make test` runs two pytest workers, each with its engines, beside the engines the tests' own
 # `python -m dump` processes start: 1 GiB of KV cache each (conf/engine/cpu.yaml reads vLLM's
 # variable) holds every sequence kimi-tiny's tests decode at once, where the default 4 would
