@@ -53,8 +53,11 @@ verifier: setup
 	$(PY) -m tools.build_verifier $(ARGS)
 
 # JOBS: pytest workers (pytest-xdist; 0 runs the tests in this process). Each worker starts its own
-# engines, so more workers than cores only adds memory.
-JOBS ?= 2
+# engines and gives its processes cores / JOBS OpenMP threads (at least 1,
+# tests/conftest.py). One more worker than this 2-core machine has cores: much of a test is waiting
+# (for an engine or a process to start, for a poll), which the third worker fills.
+JOBS ?= 3
+
 test: setup
 	$(PY) -m pytest -q -n $(JOBS) --dist worksteal --durations=15 $(ARGS)
 

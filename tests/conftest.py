@@ -35,7 +35,7 @@ def _give_this_worker_its_share_of_threads() -> None:
 
 _give_this_worker_its_share_of_threads()    # before torch is imported: it reads OMP_NUM_THREADS once
 
-# `make test` runs two pytest workers, each with its engines, beside the engines the tests' own
+# `make test` runs several pytest workers, each with its engines, beside the engines the tests' own
 # `python -m dump` processes start: 1 GiB of KV cache each (conf/engine/cpu.yaml reads vLLM's
 # variable) holds every sequence kimi-tiny's tests decode at once, where the default 4 would
 # overcommit this 24 GiB machine.
