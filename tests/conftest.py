@@ -44,7 +44,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`gpu` tests need a CUDA device; without one they are skipped, saying so. Modules with a
-    `slow` test run first, each kept whole so that its module fixtures start once: with two
+    `slow` test run first, each kept whole so that its module fixtures start once: with several
     workers (`make test`) the long tests then run beside the short ones, not alone at the end."""
     import torch
 
