@@ -47,6 +47,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory, data_file: Path, ver
     return out
 
 
+@pytest.mark.slow
 def test_dump_killed_at_random_points_resumes_to_the_uninterrupted_store(
         tmp_path: Path, data_file: Path, uninterrupted: Path, in_process_dump_env: dict[str, str]) -> None:
     out = tmp_path / "killed"
