@@ -24,7 +24,7 @@ setup: $(VENV)/.setup-done
 
 # One stamp per install flavour: re-runs only when pyproject.toml changes.
 # --no-compile: pip would compile every file it installs to bytecode, tens of thousands of them,
-# most never imported, one after another (half the install); Python compiles what is imported,
+# most never imported, one after another; Python compiles what is imported,
 # once (see PYTHONDONTWRITEBYTECODE above; the check at the end imports the heavy ones).
 $(VENV)/.setup-done: pyproject.toml
 	@test -x $(PY) || $(PYTHON_SYS) -m venv $(VENV)

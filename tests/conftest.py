@@ -24,8 +24,8 @@ def _give_this_worker_its_share_of_threads() -> None:
     leaves the threads unbound. Left alone, every such process spins one OpenMP thread per core of
     the machine and vLLM binds its worker's threads to every core: two workers' processes then
     hold more busy threads than there are cores, and OpenMP threads that lose their core wait on
-    each other (tests that take a minute alone took three beside another). Unbound, the processes
-    of a test that runs alone at the end still spread over every core."""
+    each other, far longer than the two workers' share of the cores explains. Unbound, the
+    processes of a test that runs alone at the end still spread over every core."""
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if "PYTEST_XDIST_WORKER" not in os.environ or count < 2:
         return
