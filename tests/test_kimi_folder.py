@@ -43,8 +43,13 @@ def test_the_folder_has_a_kimi_checkpoints_conventions(kimi_folder: Path) -> Non
     index = json.loads((kimi_folder / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) >= 3 and not (kimi_folder / "model.safetensors").exists()
     assert not (kimi_folder / "tokenizer.json").exists() and (kimi_folder / "tiktoken.model").exists()
-    with pytest.raises(Exception):            # transformers refuses to run the folder's code unasked
-        AutoTokenizer.from_pretrained(kimi_folder)
+    # transformers refuses to run the folder's code unasked: in a fresh process, since one that
+    # has loaded the folder's classes with trust_remote_code (another test of this module) no
+    # longer asks.
+    refused = subprocess.run([sys.executable, "-c", "import sys; from transformers import AutoTokenizer; "
+                              "AutoTokenizer.from_pretrained(sys.argv[1])", str(kimi_folder)],
+                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "trust_remote_code" in refused.stderr, refused.stderr[-3000:]
     tokenizer = AutoTokenizer.from_pretrained(kimi_folder, trust_remote_code=True)
     assert not tokenizer.is_fast and len(tokenizer) == 8192
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
