@@ -53,10 +53,9 @@ verifier: setup
 	$(PY) -m tools.build_verifier $(ARGS)
 
 # JOBS: pytest workers (pytest-xdist; 0 runs the tests in this process). Each worker starts its own
-# engines and gives its processes cores / JOBS OpenMP threads (at least 1,
-# tests/conftest.py). JOBS=3 fills the tests' waits on this 2-core machine, but some tests still
-# leave in-process state (a torch.distributed group) that a third worker's module order trips on.
-JOBS ?= 2
+# engines and gives its processes cores / JOBS OpenMP threads (at least 1, tests/conftest.py).
+# Much of a test is waiting on process and engine starts: a third worker on 2 cores fills it.
+JOBS ?= 3
 
 test: setup
 	$(PY) -m pytest -q -n $(JOBS) --dist worksteal --durations=15 $(ARGS)

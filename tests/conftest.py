@@ -58,6 +58,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+RENDEZVOUS_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_process_group_outlives_its_module() -> Iterator[None]:
+    """A module that trains in-process (train.distributed.init_distributed) leaves a process group,
+    DeepSpeed's cached clones of it and the rendezvous variables in the worker's process; the next
+    module in that worker is whichever xdist hands it. An in-process vLLM engine there destroys
+    the group under DeepSpeed's clones (the next training fails with "Group ... is not
+    registered"), and a training subprocess inherits a MASTER_PORT still held. So each module
+    leaves the process as it found it."""
+    saved = {name: os.environ.get(name) for name in RENDEZVOUS_VARIABLES}
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        import deepspeed.comm
+
+        if deepspeed.comm.is_initialized():
+            deepspeed.comm.destroy_process_group()    # also drops DeepSpeed's clones of the group
+        else:
+            dist.destroy_process_group()
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture(scope="session")
 def kimi_tiny_cfg() -> DictConfig:
     return compose_config("build_verifier").verifier

@@ -30,9 +30,6 @@ class NonFiniteLossError(RuntimeError):
     """The loss became NaN or Inf: the run stops before the optimizer step, saving nothing."""
 
 
-PORT_ATTEMPTS = 5         # ports a single-process run tries for its rendezvous
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -44,7 +41,6 @@ def init_distributed() -> tuple[int, int]:
     does not go looking for MPI; launchers (torchrun, deepspeed) set these themselves."""
     import deepspeed
 
-    picked_port = "RANK" not in os.environ and not os.environ.get("MASTER_PORT")
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT") or str(_free_port()))
@@ -53,17 +49,7 @@ def init_distributed() -> tuple[int, int]:
     if get_accelerator().device_name() != "cpu":
         # Before any collective: NCCL puts a rank's tensors on its current device.
         get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    for attempt in range(PORT_ATTEMPTS):
-        try:
-            deepspeed.init_distributed(verbose=False)
-            break
-        except dist.DistNetworkError as error:
-            # A port this process picked was free when picked, not necessarily when the store
-            # bound it: another process (an engine, another trainer) can take it in between.
-            # A port the user or a launcher set is theirs: not replaced.
-            if not picked_port or "EADDRINUSE" not in str(error) or attempt == PORT_ATTEMPTS - 1:
-                raise
-            os.environ["MASTER_PORT"] = str(_free_port())
+    deepspeed.init_distributed(verbose=False)
     return dist.get_rank(), dist.get_world_size()
 
 
