@@ -250,7 +250,8 @@ def _rss_bytes(field: str) -> int:
 
 def loss_memory_child(T: int, V: int, H: int, chunk_bytes: int) -> dict[str, Any]:
     """In a fresh process: peak memory of one step's chunked loss, forward and backward."""
-    from train.objective import ObjectiveConfig, soft_cross_entropy
+    from train.objective import ObjectiveConfig
+    from train.soft_ce import soft_cross_entropy
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator(device=device).manual_seed(0)

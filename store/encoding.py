@@ -170,7 +170,7 @@ def verifier_topk(final: torch.Tensor, head: torch.Tensor, k: int, max_logits: i
     device: (ids int64 [M, k], log-probabilities float32 [M, k]), logprobs = log_softmax(final.float()
     @ head.T) over the full vocabulary of head [V, H] (the lm_head), computed in float32 a block of
     rows at a time (at most max_logits logits: never an [M, V] tensor). The writer stores these
-    (encode_topk); the trainer computes them on the fly from final states (train/objective.py)."""
+    (encode_topk); the trainer computes them on the fly from final states (train/topk_ce.py)."""
     weight = head.detach().float()  # a no-op for a float32 head
     ids = torch.empty(len(final), k, dtype=torch.int64, device=weight.device)
     logprobs = torch.empty(len(final), k, dtype=torch.float32, device=weight.device)

@@ -30,7 +30,8 @@ from tests.conftest import plain_layer
 from model.batch import Batch, RowSample, collate_rows, pack_row
 from config import compose_config, compose_draft_conf
 from model.draft import DraftConfig
-from train.objective import Eagle3Objective, ObjectiveConfig, soft_cross_entropy
+from train.objective import Eagle3Objective, ObjectiveConfig
+from train.soft_ce import soft_cross_entropy
 from train.plan import measure_step, meta_batch, meta_objective
 
 # bf16 keeps 8 mantissa bits: through the draft layer and TTT steps the gradients of a bf16 run

@@ -1,4 +1,4 @@
-"""Tests of train/objective.py: alignment, chunked soft cross-entropy, packing, accept length."""
+"""Tests of train/objective.py and train/soft_ce.py: alignment, chunked soft cross-entropy, packing, accept length."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,8 +17,10 @@ from model.draft import DraftConfig, build_draft
 from model.verifier_handle import Verifier
 from model.verifier_weights import read_verifier_head
 from store import StoreReader
-from train.objective import (Eagle3Objective, ObjectiveConfig, build_target_cache, simulated_accept_length,
-                             soft_cross_entropy, topk_targets)
+import train.soft_ce as soft_ce
+from train.objective import Eagle3Objective, ObjectiveConfig, simulated_accept_length
+from train.soft_ce import build_target_cache, soft_cross_entropy
+from train.topk_ce import topk_targets
 
 
 @pytest.fixture(scope="module")
@@ -352,14 +354,14 @@ def test_acceptance_chunk_maths_in_float64(kind: str) -> None:
     p[:, :4] = tied
     p[0] = q[0].detach()
     alpha_ref = torch.where(q < p, q, p).sum(-1)                       # the stated tie convention
-    term_ref = objective_module._acceptance_term(alpha_ref, kind)
+    term_ref = soft_ce._acceptance_term(alpha_ref, kind)
     term_ref.sum().backward()
-    ce, alpha = objective_module._ce_and_alpha_(p.clone(), z.detach().clone(), torch.empty_like(p))
+    ce, alpha = soft_ce._ce_and_alpha_(p.clone(), z.detach().clone(), torch.empty_like(p))
     torch.testing.assert_close(ce, -(p * z.detach().log_softmax(-1)).sum(-1), rtol=0, atol=1e-12)
     torch.testing.assert_close(alpha, alpha_ref.detach(), rtol=0, atol=1e-12)
     assert abs(float(alpha[0]) - 1) < 1e-12
-    d_alpha = objective_module._acceptance_grad_(q.detach(), p, torch.empty_like(p))
-    scale = objective_module._acceptance_scale(alpha, kind, 1.0)
+    d_alpha = soft_ce._acceptance_grad_(q.detach(), p, torch.empty_like(p))
+    scale = soft_ce._acceptance_scale(alpha, kind, 1.0)
     torch.testing.assert_close(scale[:, None] * d_alpha, z.grad, rtol=0, atol=1e-12)
     assert torch.all(d_alpha[0] == 0) and torch.all(d_alpha.sum(-1).abs() < 1e-15)
     # Counting ties inside {q <= p} instead gives another gradient: the test tells them apart.
@@ -398,7 +400,7 @@ def test_acceptance_null_runs_todays_loss_only(monkeypatch) -> None:
         raise AssertionError("the acceptance term ran with acceptance None")
 
     for name in ("_ce_and_alpha_", "_acceptance_term", "_acceptance_scale", "_acceptance_grad_"):
-        monkeypatch.setattr(objective_module, name, refuse)
+        monkeypatch.setattr(soft_ce, name, refuse)
     for call in (lambda x, w: soft_cross_entropy(x, w, *inputs[2:], 7)[0],
                  lambda x, w: soft_cross_entropy(x, w, *inputs[2:], 7, acceptance=None, acceptance_weight=3.0)[0]):
         null = _grads(call, *inputs[:2])

@@ -1,4 +1,4 @@
-"""Tests of the top-k (bucket) cross-entropy of train/objective.py, the top-k rows of
+"""Tests of the top-k (bucket) cross-entropy of train/topk_ce.py, the top-k rows of
 model/batch.py (from train/batches.py's row_sample) and the simulation's refusal of a sample
 without final states."""
 from __future__ import annotations
@@ -19,8 +19,9 @@ from model.draft import DraftConfig, build_draft
 from model.verifier_handle import Verifier
 from model.vocab import target_ids_of
 from train.batches import row_sample
-from train.objective import (ChunkedTopKCE, Eagle3Objective, ObjectiveConfig, draft_ids_of, soft_cross_entropy,
-                             topk_cross_entropy)
+from train.objective import Eagle3Objective, ObjectiveConfig
+from train.soft_ce import soft_cross_entropy
+from train.topk_ce import ChunkedTopKCE, draft_ids_of, topk_cross_entropy
 
 NEG_INF = float("-inf")
 
@@ -391,7 +392,7 @@ def test_topk_targets_from_final_states_with_every_id_equal_the_dense_objective(
 def test_topk_targets_are_the_verifier_topk_on_the_rows_a_step_reads(tiny_cfg: DraftConfig,
                                                                      draft_verifier_dir: Path) -> None:
     from model.verifier_weights import read_verifier_head
-    from train.objective import topk_targets
+    from train.topk_ce import topk_targets
 
     head = read_verifier_head(draft_verifier_dir, torch.float32).lm_head
     batch = _dense_batch(tiny_cfg)

@@ -9,7 +9,7 @@ position (1 + sum_k share of chains whose drafts 0..k all agree), which is what 
 (train/metrics.py). On kimi-tiny's held-out split the two differ by ~0.02; against vLLM's own
 spec-decode counters on the verifier's greedy continuations the chain replay agreed per position.
 
-A store of top-k targets is evaluated as it trains (train/objective.py): the loss is the bucket
+A store of top-k targets is evaluated as it trains (train/topk_ce.py): the loss is the bucket
 cross-entropy, and the verifier's top-1 is its stored most likely token, so acc_k and both accept
 lengths mean the same as with final states.
 """

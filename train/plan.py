@@ -39,7 +39,7 @@ bench/gpu_train.py's plain step):
                   assistant's tokens). Split in two, for reference: the attention cores' (the TTT
                   cache k/v, q, out, lse and the fp32 copies attention saves) and the per-token
                   parts' (fc, embedding, norms, projections, MLP, loss)
-  loss chunk      the chunked loss's [chunk, V] blocks (train/objective.py's _Blocks), for
+  loss chunk      the chunked loss's [chunk, V] blocks (train/logit_blocks.py), for
                   reference: they are part of the forward/backward peak
   forward/backward peak
                   the step's own tensors at their highest over forward and backward: activations,
@@ -94,7 +94,8 @@ from model.batch import Batch
 from model.draft import DraftConfig, build_draft
 from model.verifier_weights import VerifierHead
 from train.deepspeed_setup import precision_of
-from train.objective import Eagle3Objective, ObjectiveConfig, _Blocks
+from train.logit_blocks import LogitBlocks
+from train.objective import Eagle3Objective, ObjectiveConfig
 from train import sequence_parallel
 from train.plan_ulysses import MetaAttentionCore, install_attention_cores
 
@@ -235,7 +236,7 @@ def meta_batch(draft_cfg: DraftConfig, rows: int, max_len: int, device: torch.de
 def loss_chunk_bytes(draft_cfg: DraftConfig, objective_cfg: ObjectiveConfig, tokens: int, dtype: torch.dtype) -> int:
     """Bytes of the chunked loss's blocks for `tokens` counted positions (one pass)."""
     chunk = min(objective_cfg.chunk_tokens(draft_cfg.draft_vocab_size), tokens)
-    blocks = _Blocks(chunk, draft_cfg.vocab_size, draft_cfg.draft_vocab_size, draft_cfg.pruned, dtype,
+    blocks = LogitBlocks(chunk, draft_cfg.vocab_size, draft_cfg.draft_vocab_size, draft_cfg.pruned, dtype,
                      torch.device("meta"))
     return sum(t.untyped_storage().nbytes() for t in vars(blocks).values() if isinstance(t, Tensor))
 
