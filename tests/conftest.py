@@ -61,6 +61,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 RENDEZVOUS_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
+def env_without_rendezvous() -> dict[str, str]:
+    """This process's environment for a child that trains: without the rendezvous variables an
+    in-process training of this module set (their MASTER_PORT is still held: the child picks its own)."""
+    return {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARIABLES}
+
+
 @pytest.fixture(scope="module", autouse=True)
 def no_process_group_outlives_its_module() -> Iterator[None]:
     """A module that trains in-process (train.distributed.init_distributed) leaves a process group,

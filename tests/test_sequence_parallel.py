@@ -28,6 +28,7 @@ from model.batch import PAD_SEGMENT, Batch, RowSample, collate_rows, pack_row
 from model.draft import DraftConfig, build_draft
 from model.verifier_handle import Verifier
 from model.verifier_weights import read_verifier_head
+from tests.conftest import env_without_rendezvous
 from train.metrics import read_jsonl
 from train.objective import Eagle3Objective, ObjectiveConfig
 from train.sequence_parallel import RowSlice, check_sequence_parallel
@@ -237,8 +238,7 @@ def test_a_split_run_killed_and_resumed_matches_one_rank(train_store: Path, draf
     fit(compose_config("train", _train_overrides(train_store, draft_verifier_dir, "deepspeed=zero3")), one)
     run = tmp_path / "split"
     overrides = _train_overrides(train_store, draft_verifier_dir, "deepspeed=zero3", f"train.sequence_parallel={SP}")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")} | {"OMP_NUM_THREADS": "1"}
+    env = env_without_rendezvous() | {"OMP_NUM_THREADS": "1"}
     killed = _torchrun(run, overrides, env | {FAILPOINTS_ENV: "train.step.done:3:kill"})
     assert killed.returncode != 0 and len(_train_records(run)) == 3, killed.stderr[-3000:]
     resumed = _torchrun(run, [*overrides, "train.resume=auto"], env)

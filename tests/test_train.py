@@ -26,7 +26,7 @@ from model.checkpoint import load_draft
 from model.training_facts import TrainingFacts
 from model.verifier_handle import Verifier
 from store import StoreMismatchError, StoreWriter, verifier_identity
-from tests.conftest import TRAIN_STORE_MAX_LEN, write_verifier_store
+from tests.conftest import TRAIN_STORE_MAX_LEN, env_without_rendezvous, write_verifier_store
 from train.batches import SplitSizes, SplitTooSmallError, StoreSplit, check_split_sizes
 from train.checkpoints import COMPLETE, complete_checkpoints
 from train.deepspeed_setup import precision_of
@@ -61,13 +61,10 @@ def _command(run_dir: Path, overrides: list[str]) -> list[str]:
     return [*overrides, f"hydra.run.dir={run_dir}"]
 
 
-_DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
 def _env() -> dict[str, str]:
     """This process's environment without the process-group variables of its in-process runs
     (their MASTER_PORT is taken: a child must pick its own)."""
-    return {k: v for k, v in os.environ.items() if k not in _DIST_VARS} | {"OMP_NUM_THREADS": "1"}
+    return env_without_rendezvous() | {"OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -405,4 +402,3 @@ def test_split_size_warnings(train: int, heldout: int, epoch_rows: int, rows_per
 def test_split_without_training_samples_is_refused(heldout: int, reason: str) -> None:
     with pytest.raises(SplitTooSmallError, match=rf"store /s has no training samples \({reason}"):
         check_split_sizes(SplitSizes(Path("/s"), 0, heldout, 0, 2, 1), 0.05, 2048)
-

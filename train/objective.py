@@ -26,6 +26,10 @@ Loss: step k's cross-entropy (the dense soft CE, or the bucket CE of top-k targe
 its counted positions of the micro-batch, weighted w_k = decay^k and summed over steps. Under
 sequence parallelism (train/sequence_parallel.py, `split_rows`) a rank runs its slice of each row
 and divides by the counted positions of the whole micro-batch: the ranks' losses add up to this one.
+
+Memory: with `recompute` each TTT step's layer runs under torch.utils.checkpoint (model/chain.py):
+the forward keeps only the steps' inputs (hidden states, TTT cache), and the backward holds one
+step's activations at a time.
 """
 from __future__ import annotations
 

@@ -24,12 +24,9 @@ Target cache: the K steps read the same rows of F shifted by one, so when a micr
 (TargetCache) and every step's forward and backward reads them; otherwise (Kimi's V = 163,840
 at 8k-token rows) the loss recomputes them per chunk as below. Same maths either way.
 
-Memory: logits exist only for `chunk` tokens at a time ([chunk, V] fp32 blocks of about
-`chunk_bytes`), in the forward and in the backward, which recomputes them (ChunkedSoftCE, and
-ChunkedTopKCE with [chunk, Vd] blocks only: no verifier logits). The dense loss reads each step's
-target rows of F by index, a chunk at a time. With `recompute` each TTT step's layer runs under
-torch.utils.checkpoint (model/chain.py): the forward keeps only the steps' inputs (hidden states,
-TTT cache), and the backward holds one step's activations at a time.
+Memory: the verifier's and the draft's logits exist for a chunk of rows at a time, in the forward
+and in the backward, which recomputes them (train/logit_blocks.py). The loss reads each step's
+target rows of F by index, a chunk at a time.
 """
 from __future__ import annotations
 
