@@ -72,7 +72,8 @@ def train_figures(run: Path) -> dict[str, Any]:
 
 def eval_figures(run: Path) -> dict[str, Any]:
     report = json.loads((run / "eval.json").read_text())
-    out: dict[str, Any] = {"draft_sample": report["draft_sample"], "sampled": report["sampled"],
+    out: dict[str, Any] = {"draft_sample": report["draft_sample"], "decode_dtype": report["decode_dtype"],
+                           "sampled": report["sampled"],
                            "max_tokens": report["max_tokens"], "categories": {}}
     for name, cat in report["categories"].items():
         row = {"benchmark": cat["benchmark"], "prompts": cat["n"]}

@@ -23,9 +23,10 @@ class Turns(StrEnum):
     first = "first"             # the first answer only; later turns dropped
 
 
-class RegenerateDtype(StrEnum):
-    """regenerate.dtype: the dtype the verifier decodes its answers in (dump/regenerate.py)."""
-    engine = "engine"           # the capture engine's own (conf/engine dtype): one engine does both
+class DecodeDtype(StrEnum):
+    """The dtype a verifier engine decodes in (dump/engine.py decode_dtype): the dump's
+    regenerate.dtype, the evaluation's decode_dtype."""
+    engine = "engine"           # conf/engine's dtype (the capture engine's): one engine does both
     auto = "auto"               # bfloat16 where it runs natively (a GPU, a CPU with bf16 units), else engine
     bfloat16 = "bfloat16"
     float16 = "float16"

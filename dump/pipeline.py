@@ -36,8 +36,8 @@ from data.split import held_out_by
 from data.rejection import Rejection
 from data.template import SampleRejected, TokenizedSample, tokenize_conversation
 from dump.capture import CapturedSample, HiddenStateCapture, capture_spec, start_capture_engine
-from dump.engine import make_llm, shutdown_llm, vllm_on_cpu
-from dump.regenerate import generation_dtype, regenerate
+from dump.engine import decode_dtype, make_llm, shutdown_llm, vllm_on_cpu
+from dump.regenerate import regenerate
 from infra import failpoint, resolve
 from model.verifier_handle import Verifier
 from store import StoreWriter
@@ -189,7 +189,7 @@ def capture_round(writer: StoreWriter, capture: HiddenStateCapture, samples: lis
 def generation_engine(cfg: DumpJob, verifier: Verifier, llm):
     """The engine that decodes the answers: `llm` (the capture engine) where regenerate.dtype
     resolves to the engine's dtype, else a second engine on the verifier in that dtype."""
-    dtype = generation_dtype(cfg.regenerate.dtype, cfg.engine.dtype, vllm_on_cpu())
+    dtype = decode_dtype(cfg.regenerate.dtype, cfg.engine.dtype, vllm_on_cpu())
     if dtype == cfg.engine.dtype:
         return llm
     engine = OmegaConf.merge(cfg.engine, {"dtype": dtype})

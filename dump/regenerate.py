@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Sequence, Set
+from collections.abc import Sequence
 
 from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
@@ -21,19 +21,6 @@ from transformers import PreTrainedTokenizerBase
 from data.conversations import Conversation, Message
 from data.template import as_chat, prompt_ids
 from dump.engine import generate_together
-from infra import has_bf16_units
-
-
-def generation_dtype(dtype: str, engine_dtype: str, on_cpu: bool,
-                     cpu_flags: Set[str] | None = None) -> str:
-    """regenerate.dtype as decoded: engine -> the engine's dtype; auto -> bfloat16 on an
-    accelerator or a CPU with bf16 units (cpu_flags; default: this machine's), else the engine's;
-    a dtype -> that one. The dump starts a second engine for it only where it is not the engine's."""
-    if dtype == "engine":
-        return engine_dtype
-    if dtype == "auto":
-        return "bfloat16" if not on_cpu or has_bf16_units(cpu_flags) else engine_dtype
-    return dtype
 
 
 def sample_seed(sample_id: str, base_seed: int) -> int:

@@ -2,10 +2,12 @@
 
 1. Prompts: the first user turn of the first `num_prompts` conversations of each category's
    split (conf/eval.yaml), rendered with the verifier's chat template.
-2. Real: vLLM speculative decoding (eagle3, K drafts, topk 1) with the exported draft; vLLM's own
-   counters give the accept length, greedy and sampled.
+2. Real: vLLM speculative decoding (eagle3, K drafts, topk 1) with the exported draft, in
+   `decode_dtype` (auto: bfloat16 where it runs natively, as served); vLLM's own counters give the
+   accept length, greedy and sampled.
 3. Shards: the verifier's hidden states over prompt + answer (the very tokens vLLM produced,
-   greedy and sampled) are dumped through stage 1's capture into <run>/stores/<category>/<mode>.
+   greedy and sampled) are dumped through stage 1's capture, in conf/engine's dtype, into
+   <run>/stores/<category>/<mode>.
 4. Simulated: the draft replays greedy decoding on the greedy shards and gives the expected
    acceptance on the sampled ones (evaluation/simulate.py); no vLLM involved.
 5. Report: table on the console, eval.json, acceptance.png in the run folder; the table goes into
@@ -24,6 +26,7 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from config.choices import DraftSample, names
+from config.groups import EngineConf
 from config.stages import EvalJob
 from data.conversations import Conversation, load_conversations
 from data.template import as_chat, prompt_ids
@@ -96,8 +99,17 @@ def check_draft(draft_dir: Path, cfg: EvalJob) -> None:
 
 
 # ---- 2. real -------------------------------------------------------------------------------
+def decoding_engine(cfg: EvalJob) -> EngineConf:
+    """conf/engine with the dtype the speculative engine decodes in (cfg.decode_dtype through
+    dump.engine.decode_dtype); the capture of step 3 keeps conf/engine's own."""
+    from dump.engine import decode_dtype, vllm_on_cpu
+
+    return OmegaConf.merge(cfg.engine, {"dtype": decode_dtype(cfg.decode_dtype, cfg.engine.dtype, vllm_on_cpu())})
+
+
 def measure_real(cfg: EvalJob, categories: list[Category], verifier: Verifier, draft_dir: Path,
-                 stop: list[int]) -> dict[str, dict[str, Any]]:
+                 stop: list[int], engine: EngineConf) -> dict[str, dict[str, Any]]:
+    """Step 2 on an engine of `engine` (decoding_engine(cfg)): every category and mode in one call."""
     from dump.engine import shutdown_llm
     from evaluation.speculative import RunRequest, run_together, speculative_engine
 
@@ -108,7 +120,7 @@ def measure_real(cfg: EvalJob, categories: list[Category], verifier: Verifier, d
         wanted[cat.name, "greedy"] = RunRequest(prompts)
         if cfg.sampled.enabled:
             wanted[cat.name, "sampled"] = RunRequest(prompts, cfg.sampled.temperature, cfg.sampled.top_p, cfg.seed)
-    llm = speculative_engine(verifier.path, cfg.engine, draft_dir, K, cfg.draft_sample, cfg.max_len,
+    llm = speculative_engine(verifier.path, engine, draft_dir, K, cfg.draft_sample, cfg.max_len,
                              trust_remote_code=verifier.trust_remote_code)
     try:
         # Every category and mode in one engine call: its steps carry all of them together.
@@ -225,7 +237,8 @@ def evaluate_draft(cfg: EvalJob, run_dir: Path, capture_llm=None) -> dict[str, A
     stop = [tokenizer.convert_tokens_to_ids(cfg.verifier.end_of_turn)]
     categories = load_categories(cfg, tokenizer)
     began = time.perf_counter()
-    runs = measure_real(cfg, categories, verifier, draft_dir, stop)
+    decoder = decoding_engine(cfg)
+    runs = measure_real(cfg, categories, verifier, draft_dir, stop, decoder)
     stores = dump_texts(cfg, categories, runs, verifier, run_dir, capture_llm)
     sims = simulate_all(cfg, stores, verifier, draft_dir)
 
@@ -239,7 +252,8 @@ def evaluate_draft(cfg: EvalJob, run_dir: Path, capture_llm=None) -> dict[str, A
     sampled = (f"T={cfg.sampled.temperature:g} top-p {cfg.sampled.top_p:g}" if cfg.sampled.enabled else None)
     text = report.table(results, sampled)
     out = {"draft_dir": str(draft_dir), "verifier": cfg.verifier.name, "num_speculative_tokens": cfg.num_speculative_tokens,
-           "max_tokens": cfg.max_tokens, "draft_sample": cfg.draft_sample, "sampled": OmegaConf.to_container(cfg.sampled),
+           "max_tokens": cfg.max_tokens, "draft_sample": cfg.draft_sample,
+           "decode_dtype": decoder.dtype, "sampled": OmegaConf.to_container(cfg.sampled),
            "wall_s": time.perf_counter() - began, "categories": results, "table": text}
     (run_dir / "eval.json").write_text(json.dumps(out, indent=2) + "\n")
     if cfg.plot:

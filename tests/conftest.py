@@ -40,6 +40,11 @@ _give_this_worker_its_share_of_threads()    # before torch is imported: it reads
 # variable) holds every sequence kimi-tiny's tests decode at once, where the default 4 would
 # overcommit this 24 GiB machine.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# A pytest process hosts many engines, one test's beside another's: each in vLLM's own processes
+# (conf/engine/cpu.yaml's in_process yields to vLLM's variable, dump/engine.py runs_in_process), so
+# that one shutting down does not take the process-wide distributed groups of another. Tests that
+# want an in-process engine say so (in_process_vllm, in_process_dump_env).
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -210,11 +210,20 @@ def test_an_engine_call_is_scheduled_the_same_way_every_time(fp32_store: Path, v
     ("auto", frozenset({"avx2"}), "float32"),
     ("float16", frozenset(), "float16"),
 ])
-def test_the_generation_dtype_follows_the_cpu(dtype: str, flags: frozenset, want: str) -> None:
-    from dump.regenerate import generation_dtype
+def test_the_decode_dtype_follows_the_cpu(dtype: str, flags: frozenset, want: str) -> None:
+    from dump.engine import decode_dtype
 
-    assert generation_dtype(dtype, "float32", on_cpu=True, cpu_flags=flags) == want
-    assert generation_dtype("auto", "float32", on_cpu=False) == "bfloat16"      # an accelerator
+    assert decode_dtype(dtype, "float32", on_cpu=True, cpu_flags=flags) == want
+    assert decode_dtype("auto", "float32", on_cpu=False) == "bfloat16"      # an accelerator
+
+
+def test_vllms_own_switch_wins_over_the_engine_configs_in_process() -> None:
+    from dump.engine import MULTIPROCESSING_ENV, runs_in_process
+
+    cpu, cuda = compose_config("dump").engine, compose_config("dump", ["engine=cuda"]).engine
+    assert runs_in_process(cpu, {}) and not runs_in_process(cuda, {})
+    assert not runs_in_process(cpu, {MULTIPROCESSING_ENV: "1"})
+    assert runs_in_process(cuda, {MULTIPROCESSING_ENV: "0"})
 
 
 def test_answers_decoded_in_bf16_are_captured_by_the_fp32_engine(tmp_path: Path, conversations_file: Path,

@@ -38,12 +38,15 @@ def test_draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def evaluated(test_draft_dir: Path, tmp_path_factory: pytest.TempPathFactory, verifier_llm) -> tuple[dict, Path]:
     """`make eval` on the test draft. Its speculative engine runs in-process (the same engine core,
     started without two process spawns); its capture step runs on the session's capture engine,
-    which is the one it would start: same engine config and max_len, checked here."""
+    which is the one it would start: same engine config and max_len, checked here. It decodes in
+    the capture's dtype (decode_dtype=engine), so that the simulation replays the very verifier
+    vLLM ran and the greedy figures must agree; tests/test_kimi_folder.py evaluates with the
+    default (bfloat16 on a CPU with bf16 units)."""
     from evaluation.run import evaluate_draft
 
     run_dir = tmp_path_factory.mktemp("eval_run")
     cfg = compose_config("eval", [f"draft_dir={test_draft_dir}", f"num_prompts={NUM_PROMPTS}",
-                                  f"max_tokens={MAX_TOKENS}"])
+                                  f"max_tokens={MAX_TOKENS}", "decode_dtype=engine"])
     dump_cfg = compose_config("dump")
     assert (cfg.engine, cfg.verifier, cfg.max_len) == (dump_cfg.engine, dump_cfg.verifier, dump_cfg.max_len)
     with in_process_vllm():
@@ -82,6 +85,7 @@ def test_report_files_and_model_card(evaluated, test_draft_dir: Path) -> None:
     out, run_dir = evaluated
     saved = json.loads((run_dir / "eval.json").read_text())
     assert saved["table"] == out["table"]
+    assert saved["decode_dtype"] == compose_config("eval", ["draft_dir=x"]).engine.dtype   # decode_dtype=engine
     assert (run_dir / "acceptance.png").stat().st_size > 10_000
     card = (test_draft_dir / "README.md").read_text()
     assert out["table"] in card

@@ -136,6 +136,11 @@ def test_dump_train_and_evaluate_on_a_kimi_folder(kimi_folder: Path, tmp_path: P
             out = evaluate_draft(eval_cfg, tmp_path / "eval", capture_llm=llm)
     finally:
         shutdown_llm(llm)
+    from infra import has_bf16_units
+
+    # decode_dtype auto: bfloat16 speculative decoding where this CPU has bf16 units, beside the
+    # float32 capture of the same texts.
+    assert out["decode_dtype"] == ("bfloat16" if has_bf16_units() else eval_cfg.engine.dtype)
     for name, result in out["categories"].items():
         real = result["real"]["greedy"]
         assert result["n"] == 2 and real["passes"] > 0, name
