@@ -151,6 +151,13 @@ bench-dump: setup
 bench-capture: setup
 	$(PY) -m bench.capture_modes $(ARGS)
 
+# The evaluation's engines on one draft: float32 decoding in vLLM's processes, bf16 decoding
+# (decode_dtype auto), and the engines in the calling process (engine.in_process): stage time and
+# accept lengths, bench/results/eval_dtype.json. `make bench-eval-engine DRAFT=runs/demo/train/draft`.
+.PHONY: bench-eval-engine
+bench-eval-engine: setup
+	$(PY) -m bench.eval_engine --draft $(DRAFT) $(ARGS)
+
 # Storage modes (conf/store) judged by what they cost the draft: bytes/token per array at kimi-tiny's
 # and Kimi's width, writer and reader tokens/s, and the accept length of the same training on each,
 # simulated and by vLLM: bench/results/storage.json and storage.md. ARGS="--vllm-modes" skips vLLM.
