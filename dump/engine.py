@@ -151,6 +151,60 @@ def engine_kwargs(engine: EngineConf, on_cpu: bool | None = None,
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
+MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"   # vLLM's own switch, read as an engine starts
+
+
+def runs_in_process(engine: EngineConf, environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether an engine of this config runs its engine core in the calling process: vLLM's
+    VLLM_ENABLE_V1_MULTIPROCESSING where the environment sets it (0: in process), else
+    engine.in_process."""
+    if MULTIPROCESSING_ENV in environ:
+        return environ[MULTIPROCESSING_ENV] == "0"
+    return bool(engine.in_process)
+
+
+@contextmanager
+def _multiprocessing_env(value: str | None) -> Iterator[None]:
+    """vLLM's switch set to `value` while an engine starts (None: the environment's as it is)."""
+    import vllm.envs
+
+    if value is None or MULTIPROCESSING_ENV in os.environ:
+        yield
+        return
+    os.environ[MULTIPROCESSING_ENV] = value
+    vllm.envs.disable_envs_cache()     # an engine started before may have cached the variable
+    try:
+        yield
+    finally:
+        os.environ.pop(MULTIPROCESSING_ENV, None)
+        vllm.envs.disable_envs_cache()
+
+
+# An in-process engine's CPU worker (engine.in_process) sets torch's thread count to the cores it
+# binds and makes torch.set_num_threads a no-op, for the whole process: the stage's own torch work
+# after the engine (the evaluation's simulation, its `simulate.threads`) would inherit both.
+_torch_threads: list[tuple[Callable[[int], None], int]] = []
+_in_process: set[int] = set()      # id() of the in-process engines not shut down yet
+
+
+def keep_torch_threads() -> None:
+    """Note torch's set_num_threads and thread count before this process's first in-process engine."""
+    import torch
+
+    if not _torch_threads:
+        _torch_threads.append((torch.set_num_threads, torch.get_num_threads()))
+
+
+def restore_torch_threads() -> None:
+    """Put back what keep_torch_threads noted (nothing if no in-process engine started)."""
+    import torch
+
+    if _torch_threads:
+        set_num_threads, threads = _torch_threads[0]
+        torch.set_num_threads = set_num_threads
+        set_num_threads(threads)
+
+
 def make_llm(model_dir: Path, engine: EngineConf, *, trust_remote_code: bool, **extra: Any):
     """A vLLM engine on model_dir; trust_remote_code: the verifier's setting (its folder's .py files,
     a Kimi tokenizer's, run only with it; refused before the engine starts when the folder needs it);
@@ -186,35 +240,6 @@ def make_llm(model_dir: Path, engine: EngineConf, *, trust_remote_code: bool, **
     return llm
 
 
-MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"   # vLLM's own switch, read as an engine starts
-
-
-def runs_in_process(engine: EngineConf, environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether an engine of this config runs its engine core in the calling process: vLLM's
-    VLLM_ENABLE_V1_MULTIPROCESSING where the environment sets it (0: in process), else
-    engine.in_process."""
-    if MULTIPROCESSING_ENV in environ:
-        return environ[MULTIPROCESSING_ENV] == "0"
-    return bool(engine.in_process)
-
-
-@contextmanager
-def _multiprocessing_env(value: str | None) -> Iterator[None]:
-    """vLLM's switch set to `value` while an engine starts (None: the environment's as it is)."""
-    import vllm.envs
-
-    if value is None or MULTIPROCESSING_ENV in os.environ:
-        yield
-        return
-    os.environ[MULTIPROCESSING_ENV] = value
-    vllm.envs.disable_envs_cache()     # an engine started before may have cached the variable
-    try:
-        yield
-    finally:
-        os.environ.pop(MULTIPROCESSING_ENV, None)
-        vllm.envs.disable_envs_cache()
-
-
 def generate_together(llm, prompts: list[Any], params: Any) -> list[Any]:
     """llm.generate(prompts, params), with every request in the engine before it schedules a step.
 
@@ -244,28 +269,3 @@ def shutdown_llm(llm) -> None:
         _in_process.discard(id(llm))
         if not _in_process:
             restore_torch_threads()
-
-
-# An in-process engine's CPU worker (engine.in_process) sets torch's thread count to the cores it
-# binds and makes torch.set_num_threads a no-op, for the whole process: the stage's own torch work
-# after the engine (the evaluation's simulation, its `simulate.threads`) would inherit both.
-_torch_threads: list[tuple[Callable[[int], None], int]] = []
-_in_process: set[int] = set()      # id() of the in-process engines not shut down yet
-
-
-def keep_torch_threads() -> None:
-    """Note torch's set_num_threads and thread count before this process's first in-process engine."""
-    import torch
-
-    if not _torch_threads:
-        _torch_threads.append((torch.set_num_threads, torch.get_num_threads()))
-
-
-def restore_torch_threads() -> None:
-    """Put back what keep_torch_threads noted (nothing if no in-process engine started)."""
-    import torch
-
-    if _torch_threads:
-        set_num_threads, threads = _torch_threads[0]
-        torch.set_num_threads = set_num_threads
-        set_num_threads(threads)
