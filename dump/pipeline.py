@@ -36,7 +36,7 @@ from data.split import held_out_by
 from data.rejection import Rejection
 from data.template import SampleRejected, TokenizedSample, tokenize_conversation
 from dump.capture import CapturedSample, HiddenStateCapture, capture_spec, start_capture_engine
-from dump.engine import decode_dtype, make_llm, shutdown_llm, vllm_on_cpu
+from dump.engine import decode_dtype, make_llm, sampling_engine_kwargs, shutdown_llm, vllm_on_cpu
 from dump.regenerate import regenerate
 from infra import failpoint, resolve
 from model.verifier_handle import Verifier
@@ -193,8 +193,10 @@ def generation_engine(cfg: DumpJob, verifier: Verifier, llm):
     if dtype == cfg.engine.dtype:
         return llm
     engine = OmegaConf.merge(cfg.engine, {"dtype": dtype})
+    # Greedy answers carry no random generator: their engine is left as vLLM sets it up.
+    sampling = sampling_engine_kwargs() if cfg.regenerate.temperature > 0 else {}
     return make_llm(verifier.path, engine, trust_remote_code=cfg.verifier.trust_remote_code,
-                    max_model_len=cfg.max_len + 1)
+                    max_model_len=cfg.max_len + 1, **sampling)
 
 
 def run_dump(cfg: DumpJob, llm=None) -> dict[str, Any]:

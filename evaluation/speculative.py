@@ -121,12 +121,12 @@ def speculative_engine(verifier_dir: Path, engine_cfg: EngineConf, draft_dir: Pa
                        draft_sample: str, max_model_len: int, *, trust_remote_code: bool):
     """A vLLM engine on the verifier with the draft as its EAGLE-3 speculator (stats on);
     trust_remote_code: verifier.trust_remote_code."""
-    from dump.engine import make_llm
+    from dump.engine import make_llm, sampling_engine_kwargs
 
     speculative = speculative_config(engine_cfg, draft_dir, num_speculative_tokens, draft_sample)
     llm = make_llm(verifier_dir, engine_cfg, trust_remote_code=trust_remote_code, speculative_config=speculative,
                    disable_log_stats=False, max_model_len=max_model_len,
-                   per_request_spec_decode_metrics="summary")
+                   per_request_spec_decode_metrics="summary", **sampling_engine_kwargs())
     if any(llm.collective_rpc(_patch_expand)):
         logger.warning("vLLM's CPU expand_kernel returns garbage for float inputs (sampled requests' "
                        "temperature / top-p): replaced in the workers by evaluation.speculative.expand_tokens_impl")

