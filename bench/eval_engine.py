@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.demo import eval_figures
 from bench.machine import machine
 from infra import REPO_ROOT
 
@@ -43,10 +44,7 @@ def run_variant(name: str, overrides: list[str], draft: Path) -> dict[str, Any]:
     subprocess.run(cmd, cwd=REPO_ROOT, check=True, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - began
     report = json.loads((out_dir / "eval.json").read_text())
-    categories = {}
-    for cat, r in report["categories"].items():
-        categories[cat] = {f"{side}_{mode}": r[key][mode]["accept_length"]
-                           for side, key in (("vllm", "real"), ("sim", "sim")) for mode in ("greedy", "sampled")}
+    categories = eval_figures(out_dir)["categories"]
     speculative_s = next(iter(report["categories"].values()))["real"]["greedy"]["wall_s"]  # one call for all
     return {"overrides": overrides, "decode_dtype": report["decode_dtype"], "stage_s": wall,
             "speculative_call_s": speculative_s, "categories": categories}
