@@ -158,6 +158,13 @@ bench-capture: setup
 bench-eval-engine: setup
 	$(PY) -m bench.eval_engine --draft $(DRAFT) $(ARGS)
 
+# The dump's sampled copies (regenerate.sampled_share) at a few shares, each through the demo's dump,
+# training and an evaluation on 96 prompts per category: bench/results/sampled_share.json. About 20
+# minutes per share on 2 cores. ARGS="--shares 0 0.125".
+.PHONY: bench-sampled-share
+bench-sampled-share: setup
+	$(PY) -m bench.sampled_share $(ARGS)
+
 # Storage modes (conf/store) judged by what they cost the draft: bytes/token per array at kimi-tiny's
 # and Kimi's width, writer and reader tokens/s, and the accept length of the same training on each,
 # simulated and by vLLM: bench/results/storage.json and storage.md. ARGS="--vllm-modes" skips vLLM.

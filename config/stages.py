@@ -25,6 +25,8 @@ class RegenerateConf:
     enabled: bool
     turns: Turns
     temperature: float
+    sampled_share: float
+    sampled_temperature: float
     top_p: float
     max_tokens: int
     seed: int

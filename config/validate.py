@@ -58,6 +58,10 @@ def dump_problems(cfg: DictConfig) -> list[str]:
         found += _at_least(r, {"max_tokens": 1}, "regenerate.")
         if not (math.isfinite(r.temperature) and r.temperature >= 0):
             found.append(f"regenerate.temperature={r.temperature} (0 for greedy, else > 0)")
+        if not 0 <= r.sampled_share <= 1:
+            found.append(f"regenerate.sampled_share={r.sampled_share} (in [0, 1])")
+        if r.sampled_share > 0 and not (math.isfinite(r.sampled_temperature) and r.sampled_temperature > 0):
+            found.append(f"regenerate.sampled_temperature={r.sampled_temperature} (> 0 where sampled_share > 0)")
         if not 0 < r.top_p <= 1:
             found.append(f"regenerate.top_p={r.top_p} (in (0, 1])")
     return found

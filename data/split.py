@@ -3,6 +3,9 @@ and resumed run agrees without a list. The data split (conf/data: heldout_fracti
 picks the conversations a `make dump` train-split store never contains; the trainer's split
 (conf/heldout_split) picks, among a store's samples, those it evaluates on and never trains on, which the
 dump writes to shards of their own.
+
+A sampled copy of a conversation (the dump's regenerate.sampled_share: the same conversation answered
+again by sampling, under the id `<id>~sampled`) is split with the conversation it copies.
 """
 from __future__ import annotations
 
@@ -19,14 +22,28 @@ def is_held_out(sample_id: str, fraction: float, seed: int = 0) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 
 
+SAMPLED_COPY = "~sampled"
+
+
+def sampled_copy_id(sample_id: str) -> str:
+    """The id of the sampled copy of sample `sample_id`."""
+    return sample_id + SAMPLED_COPY
+
+
+def is_sampled_copy(sample_id: str) -> bool:
+    return sample_id.endswith(SAMPLED_COPY)
+
+
 def split_key_for(data_format: str | None) -> Callable[[str], str]:
     """Sample id -> the conversation the trainer's held-out split decides by, for data of
-    conf/data's `format`: ShareGPT parts "id_3" count as "id"; other formats by the id itself."""
-    return sharegpt_split_key if data_format == "sharegpt" else _same_id
+    conf/data's `format`: ShareGPT parts "id_3" count as "id"; other formats by the id itself;
+    a sampled copy as the sample it copies."""
+    return sharegpt_split_key if data_format == "sharegpt" else copied_from
 
 
-def _same_id(sample_id: str) -> str:
-    return sample_id
+def copied_from(sample_id: str) -> str:
+    """The sample a sampled copy copies; any other id as it is."""
+    return sample_id.removesuffix(SAMPLED_COPY)
 
 
 def held_out_by(fraction: float, seed: int, data_format: str | None) -> Callable[[str], bool]:
@@ -46,5 +63,5 @@ def sharegpt_split_key(sample_id: str) -> str:
     whole id would put parts of one conversation on both sides and leak training text
     into the held-out set.
     """
-    base, sep, part = sample_id.rpartition("_")
-    return base if sep and base and part.isdigit() else sample_id
+    base, sep, part = copied_from(sample_id).rpartition("_")
+    return base if sep and base and part.isdigit() else copied_from(sample_id)

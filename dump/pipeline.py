@@ -37,7 +37,7 @@ from data.rejection import Rejection
 from data.template import SampleRejected, TokenizedSample, tokenize_conversation
 from dump.capture import CapturedSample, HiddenStateCapture, capture_spec, start_capture_engine
 from dump.engine import decode_dtype, make_llm, sampling_engine_kwargs, shutdown_llm, vllm_on_cpu
-from dump.regenerate import regenerate
+from dump.regenerate import regenerate, with_sampled_copies
 from infra import failpoint, resolve
 from model.verifier_handle import Verifier
 from store import StoreWriter
@@ -186,6 +186,12 @@ def capture_round(writer: StoreWriter, capture: HiddenStateCapture, samples: lis
         failpoint("dump.batch.done")
 
 
+def samples_of_round(batch: list[Conversation], cfg: DumpJob, heldout: Callable[[str], bool]) -> list[Conversation]:
+    """The samples a round of `batch` writes: its conversations, and their sampled copies where
+    the verifier regenerates them (dump/regenerate.py)."""
+    return with_sampled_copies(batch, cfg.regenerate, heldout) if cfg.regenerate.enabled else batch
+
+
 def generation_engine(cfg: DumpJob, verifier: Verifier, llm):
     """The engine that decodes the answers: `llm` (the capture engine) where regenerate.dtype
     resolves to the engine's dtype, else a second engine on the verifier in that dtype."""
@@ -194,7 +200,8 @@ def generation_engine(cfg: DumpJob, verifier: Verifier, llm):
         return llm
     engine = OmegaConf.merge(cfg.engine, {"dtype": dtype})
     # Greedy answers carry no random generator: their engine is left as vLLM sets it up.
-    sampling = sampling_engine_kwargs() if cfg.regenerate.temperature > 0 else {}
+    samples = cfg.regenerate.temperature > 0 or cfg.regenerate.sampled_share > 0
+    sampling = sampling_engine_kwargs() if samples else {}
     return make_llm(verifier.path, engine, trust_remote_code=cfg.verifier.trust_remote_code,
                     max_model_len=cfg.max_len + 1, **sampling)
 
@@ -236,12 +243,13 @@ def run_dump(cfg: DumpJob, llm=None) -> dict[str, Any]:
             capture = HiddenStateCapture(llm, spec)
             for batch in batched(owned, cfg.batch_size):
                 todo = sum(c.id not in done for c in batch)
-                if not todo:
+                # A round is redone while any of its samples is missing, sampled copies included.
+                if not any(c.id not in done for c in samples_of_round(batch, cfg, heldout)):
                     continue
                 if cfg.regenerate.enabled:  # the whole round: the company its answers were decoded in
                     decoder = decoder or generation_engine(cfg, verifier, llm)
                     batch = regenerate(decoder, tokenizer, batch, cfg.regenerate,
-                                       cfg.verifier.end_of_turn, cfg.max_len)
+                                       cfg.verifier.end_of_turn, cfg.max_len, heldout)
                 samples = tokenize_batch(writer, tokenizer, batch, cfg, rejections, done, heldout)
                 for added in capture_round(writer, capture, samples, cfg.capture.max_batch_tokens,
                                            rejections, done):

@@ -8,17 +8,25 @@ regenerates exactly what an uninterrupted one would have.
 turns: all answers every user turn in order (rounds wait for the longest answer of the batch,
 so a batch takes as many generate calls as its longest conversation has turns); first answers
 only the first user turn and drops the rest of the conversation: one generate call per batch.
+
+sampled_share: that share of the training conversations (picked by id, so a resumed or sharded dump
+picks the same ones; held-out ones never, `greedy_only`) is answered a second time, at
+sampled_temperature, as a sample of its own (data/split.py sampled_copy_id, split with the
+conversation it copies): a draft served to sampling requests meets the verifier's sampled text, which
+answers at a low temperature never show it. The originals keep their answers at `temperature`, and
+the held-out metric stays on those.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase
 
 from data.conversations import Conversation, Message
+from data.split import is_sampled_copy, sampled_copy_id
 from data.template import as_chat, prompt_ids
 from dump.engine import generate_together
 
@@ -28,11 +36,29 @@ def sample_seed(sample_id: str, base_seed: int) -> int:
     return int.from_bytes(digest[:4], "big")
 
 
+def gets_sampled_copy(sample_id: str, cfg: DictConfig, greedy_only: Callable[[str], bool] | None = None) -> bool:
+    """Whether this conversation is also answered at sampled_temperature (see sampled_share above)."""
+    if cfg.sampled_share <= 0 or (greedy_only is not None and greedy_only(sample_id)):
+        return False
+    return sample_seed(f"sampled\0{sample_id}", cfg.seed) / 2**32 < cfg.sampled_share   # its own stream
+
+
+def with_sampled_copies(conversations: Sequence[Conversation], cfg: DictConfig,
+                        greedy_only: Callable[[str], bool] | None = None) -> list[Conversation]:
+    """The conversations, then the sampled copies of those picked, in the same order."""
+    copies = [dataclasses.replace(c, id=sampled_copy_id(c.id)) for c in conversations
+              if gets_sampled_copy(c.id, cfg, greedy_only)]
+    return list(conversations) + copies
+
+
 def regenerate(llm, tokenizer: PreTrainedTokenizerBase, conversations: Sequence[Conversation],
-               cfg: DictConfig, end_of_turn: str, max_len: int) -> list[Conversation]:
-    """The same conversations with every assistant turn rewritten by the verifier."""
+               cfg: DictConfig, end_of_turn: str, max_len: int,
+               greedy_only: Callable[[str], bool] | None = None) -> list[Conversation]:
+    """The same conversations with every assistant turn rewritten by the verifier, followed by the
+    sampled copies of those sampled_share picks."""
     from vllm import SamplingParams, TokensPrompt
 
+    conversations = with_sampled_copies(conversations, cfg, greedy_only)
     stop = [tokenizer.convert_tokens_to_ids(end_of_turn)]
     done: list[list[Message]] = [[] for _ in conversations]
     pending = [list(c.messages) for c in conversations]
@@ -55,7 +81,8 @@ def regenerate(llm, tokenizer: PreTrainedTokenizerBase, conversations: Sequence[
                 continue
             requests.append(TokensPrompt(prompt_token_ids=ids))
             owners.append((i, SamplingParams(
-                temperature=cfg.temperature, top_p=cfg.top_p, seed=sample_seed(
+                temperature=cfg.sampled_temperature if is_sampled_copy(conversations[i].id) else cfg.temperature,
+                top_p=cfg.top_p, seed=sample_seed(
                     conversations[i].id, cfg.seed) + len(done[i]),
                 max_tokens=min(cfg.max_tokens, max_len - len(ids)), stop_token_ids=stop)))
         if not requests:

@@ -20,6 +20,7 @@ import torch
 
 from config.choices import AuxCapture
 from data.records import Origin
+from data.split import copied_from
 from data.rejection import Rejection, RejectionKind
 from infra import failpoint
 from store.durable import (Manifest, ShardEntry, _all_manifests, _committed_shards, _load_manifest, _lock_rank,
@@ -55,8 +56,9 @@ def dist_env(rank: int | None = None, world_size: int | None = None) -> tuple[in
 
 def rank_of(sample_id: str, world_size: int) -> int:
     """The rank that owns a sample: a stable hash of its id, so ownership does not depend on the
-    order of the data nor on which samples an earlier run already wrote."""
-    digest = hashlib.blake2b(sample_id.encode(), digest_size=8).digest()
+    order of the data nor on which samples an earlier run already wrote; a sampled copy
+    (data/split.py) goes with the sample it copies, whose rank answers both."""
+    digest = hashlib.blake2b(copied_from(sample_id).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % world_size
 
 

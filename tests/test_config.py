@@ -145,6 +145,8 @@ def test_a_choice_outside_its_type_is_refused_at_composition(stage: str, overrid
 
 @pytest.mark.parametrize(("stage", "overrides", "named"), [
     ("dump", ["max_len=0", "regenerate.top_p=0"], ["max_len=0 (at least 1)", "regenerate.top_p=0"]),
+    ("dump", ["regenerate.sampled_share=1.5", "regenerate.sampled_temperature=0"],
+     ["regenerate.sampled_share=1.5 (in [0, 1])", "regenerate.sampled_temperature=0"]),
     ("train", ["train.grad_accum=0", "train.checkpoint_every=-1", "train.warmup_ratio=0.1"],
      ["train.grad_accum=0 (at least 1)", "train.checkpoint_every=-1 (at least 0)",
       "train.warmup_steps=20 and train.warmup_ratio=0.1: set exactly one"]),

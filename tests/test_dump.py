@@ -159,12 +159,47 @@ def test_regenerating_the_first_turn_keeps_only_the_first_exchange(verifier_llm,
         assert new.messages[-1].content != old.messages[first_answer].content
 
 
+def test_a_share_of_the_training_conversations_is_also_answered_by_sampling(
+        verifier_llm, kimi_tiny_dir: Path, kimi_tiny_cfg: DictConfig) -> None:
+    """regenerate.sampled_share: the conversations it picks (by id, held-out ones never) come back a
+    second time as sampled copies; every original keeps the answer a regeneration without copies gives."""
+    from data.split import sampled_copy_id
+    from dump.regenerate import gets_sampled_copy, regenerate
+
+    tokenizer = AutoTokenizer.from_pretrained(kimi_tiny_dir)
+    overrides = ["regenerate.max_tokens=24", "regenerate.turns=first", "regenerate.temperature=0",
+                 "regenerate.sampled_temperature=1.0"]
+    plain_cfg = compose_config("dump", overrides + ["regenerate.sampled_share=0"]).regenerate
+    copies_cfg = compose_config("dump", overrides + ["regenerate.sampled_share=0.5"]).regenerate
+    convs = short_multiturn(8)
+    picked = [c.id for c in convs if gets_sampled_copy(c.id, copies_cfg)]
+    assert picked and len(picked) < len(convs)
+    held = {picked[0]}
+    # The pick is a fixed draw per id: about the share over many ids, the same every time.
+    ids = [f"conv-{i}" for i in range(2000)]
+    draws = [gets_sampled_copy(i, copies_cfg) for i in ids]
+    assert 0.45 < sum(draws) / len(ids) < 0.55 and draws == [gets_sampled_copy(i, copies_cfg) for i in ids]
+
+    plain = regenerate(verifier_llm, tokenizer, convs, plain_cfg, kimi_tiny_cfg.end_of_turn, 512)
+    mixed = regenerate(verifier_llm, tokenizer, convs, copies_cfg, kimi_tiny_cfg.end_of_turn, 512, held.__contains__)
+    again = regenerate(verifier_llm, tokenizer, convs[::-1], copies_cfg, kimi_tiny_cfg.end_of_turn, 512,
+                       held.__contains__)
+    assert mixed[:len(convs)] == plain
+    copies = mixed[len(convs):]
+    assert [c.id for c in copies] == [sampled_copy_id(i) for i in picked[1:]]
+    assert sorted(mixed, key=lambda c: c.id) == sorted(again, key=lambda c: c.id)   # seeds by id, not order
+    by_id = {c.id: c for c in plain}
+    for copy in copies:
+        original = by_id[copy.id.removesuffix("~sampled")]
+        assert copy.messages[:-1] == original.messages[:-1] and copy.messages[-1] != original.messages[-1]
+
+
 def test_a_dump_stopped_between_the_calls_of_a_round_resumes_to_the_uninterrupted_store(
         tmp_path: Path, conversations_file: Path, verifier_llm, monkeypatch: pytest.MonkeyPatch) -> None:
     """One round of 6 regenerated conversations captured in engine calls of at most 200 tokens,
     shards closing after each call; the dump stops after its first call (a full disk at that point)
     and resumes: the round is decoded and cut into calls as before, and the store equals that of an
-    uninterrupted dump bit for bit."""
+    uninterrupted dump bit for bit, the sampled copies (kimi-tiny's regenerate.sampled_share) included."""
     import infra
     from dump.pipeline import run_dump
     from tools.faults import store_differences
@@ -174,16 +209,17 @@ def test_a_dump_stopped_between_the_calls_of_a_round_resumes_to_the_uninterrupte
                         "store.shard_bytes=1", "regenerate.max_tokens=16", "regenerate.dtype=engine")
 
     whole = run_dump(cfg(tmp_path / "whole"), llm=verifier_llm)
-    assert whole["samples_written"] == 6
+    n = whole["samples_written"]
+    assert n > 6 and sum(ref.sample_id.endswith("~sampled") for ref in StoreReader(tmp_path / "whole").samples()) == n - 6
     monkeypatch.setenv(infra.FAILPOINTS_ENV, "dump.batch.done:1:enospc")
     monkeypatch.setattr(infra, "_failpoint_hits", infra.Counter())
     with pytest.raises(OSError, match="failpoint dump.batch.done"):
         run_dump(cfg(tmp_path / "stopped"), llm=verifier_llm)
     kept = len(StoreReader(tmp_path / "stopped"))
-    assert 0 < kept < 6, kept  # the first call's samples, committed
+    assert 0 < kept < n, kept  # the first call's samples, committed
     monkeypatch.delenv(infra.FAILPOINTS_ENV)
     resumed = run_dump(cfg(tmp_path / "stopped"), llm=verifier_llm)
-    assert resumed["samples_already_done"] == kept and resumed["samples_written"] == 6 - kept
+    assert resumed["samples_already_done"] == kept and resumed["samples_written"] == n - kept
     assert store_differences(tmp_path / "whole", tmp_path / "stopped") == []
 
 
@@ -247,7 +283,8 @@ def test_answers_decoded_in_bf16_are_captured_by_the_fp32_engine(tmp_path: Path,
     with in_process_vllm():       # the decoding engine in this process: no engine processes to start
         summary = pipeline.run_dump(dump_cfg(out, conversations_file, "batch_size=6", "regenerate.max_tokens=16",
                                              "regenerate.dtype=bfloat16", "store=fp32"), llm=verifier_llm)
-    assert summary["samples_written"] == 6
+    originals = [ref for ref in StoreReader(out).samples() if not ref.sample_id.endswith("~sampled")]
+    assert len(originals) == 6 and summary["samples_written"] == len(StoreReader(out))   # + sampled copies
     assert len(decoders) == 1 and decoders[0] is not verifier_llm
     assert decoders[0].llm_engine.model_config.dtype == torch.bfloat16
     assert verifier_llm.llm_engine.model_config.dtype == torch.float32

@@ -43,7 +43,8 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory, data_file: Path, ver
     out = tmp_path_factory.mktemp("faults") / "uninterrupted"
     summary = run_dump(compose_config("dump", [*OVERRIDES, f"data.path={data_file}", f"output_dir={out}"]),
                        llm=verifier_llm)
-    assert summary["samples_written"] == CONVERSATIONS
+    originals = [r for r in StoreReader(out).samples() if not r.sample_id.endswith("~sampled")]
+    assert len(originals) == CONVERSATIONS < summary["samples_written"]   # and kimi-tiny's sampled copies
     return out
 
 
@@ -84,7 +85,7 @@ def test_dump_on_a_full_disk_stops_clearly_keeps_its_shards_and_resumes(
         message = str(full.value)
         assert str(disk / "store") in message and "resume" in message, message
         kept = len(StoreReader(disk / "store"))
-        assert 0 < kept < CONVERSATIONS, kept                # what was committed before stays
+        assert 0 < kept < len(StoreReader(uninterrupted)), kept   # what was committed before stays
 
         filler.unlink()
         summary = run_dump(cfg, llm=verifier_llm)

@@ -58,6 +58,21 @@ def test_held_out_conversations_give_one_part_each_and_the_set_reads_on(tmp_path
     assert [c.id for c in again] == [c.id for c in out]            # a fixed order: resumable
 
 
+def test_a_sampled_copy_splits_and_shards_with_the_sample_it_copies() -> None:
+    """The dump's sampled copies (regenerate.sampled_share) share their conversation's side of the
+    trainer's split and its dump rank, for every data format."""
+    from data.split import sampled_copy_id
+    from store.writer import rank_of
+
+    for fmt in ("sharegpt", "jsonl", None):
+        held = held_out_by(0.3, 2, fmt)
+        for sample_id in [f"conv{i}_{i % 3}" for i in range(200)] + [f"conv{i}" for i in range(200)]:
+            copy = sampled_copy_id(sample_id)
+            assert copy != sample_id and held(copy) == held(sample_id)
+            assert rank_of(copy, 5) == rank_of(sample_id, 5)
+    assert sharegpt_split_key(sampled_copy_id("QWJhYvA_3")) == "QWJhYvA"
+
+
 def test_the_extra_held_out_conversations_keep_the_select_share(tmp_path: Path) -> None:
     data = _data(_sharegpt(tmp_path / "d.json", 600, 1), 60, {"pattern": "python", "share": 0.25})
     held = held_out_by(0.2, 3, "sharegpt")
