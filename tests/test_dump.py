@@ -199,14 +199,15 @@ def test_a_dump_stopped_between_the_calls_of_a_round_resumes_to_the_uninterrupte
     """One round of 6 regenerated conversations captured in engine calls of at most 200 tokens,
     shards closing after each call; the dump stops after its first call (a full disk at that point)
     and resumes: the round is decoded and cut into calls as before, and the store equals that of an
-    uninterrupted dump bit for bit, the sampled copies (kimi-tiny's regenerate.sampled_share) included."""
+    uninterrupted dump bit for bit, the sampled copies (regenerate.sampled_share) included."""
     import infra
     from dump.pipeline import run_dump
     from tools.faults import store_differences
 
     def cfg(out: Path) -> DictConfig:
         return dump_cfg(out, conversations_file, "batch_size=6", "capture.max_batch_tokens=200",
-                        "store.shard_bytes=1", "regenerate.max_tokens=16", "regenerate.dtype=engine")
+                        "store.shard_bytes=1", "regenerate.max_tokens=16", "regenerate.dtype=engine",
+                        "regenerate.sampled_share=0.5")
 
     whole = run_dump(cfg(tmp_path / "whole"), llm=verifier_llm)
     n = whole["samples_written"]
