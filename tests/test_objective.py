@@ -19,6 +19,7 @@ from model.verifier_weights import read_verifier_head
 from store import StoreReader
 import train.soft_ce as soft_ce
 from train.objective import Eagle3Objective, ObjectiveConfig, simulated_accept_length
+from train.logit_blocks import ARGMAX_BLOCK, row_argmax
 from train.soft_ce import build_target_cache, soft_cross_entropy
 from train.topk_ce import topk_targets
 
@@ -174,6 +175,21 @@ def test_chunked_loss_in_bf16_follows_the_fp32_reference() -> None:
     torch.testing.assert_close(loss.float(), ref_loss, rtol=2e-2, atol=0)
     torch.testing.assert_close(low[0].grad.float(), ref[0].grad, rtol=5e-2, atol=2e-2)
     torch.testing.assert_close(low[1].grad.float(), ref[1].grad, rtol=5e-2, atol=2e-2)
+
+
+def test_row_argmax_is_torchs_argmax_ties_included() -> None:
+    """The blocked argmax the losses take their top-1 with: torch's argmax exactly, the first of
+    equal maxima included (few distinct values make ties in and across blocks), maxima in the
+    first and the last block; widths off the block grid and column slices go to torch's own."""
+    g = torch.Generator().manual_seed(3)
+    V = 64 * ARGMAX_BLOCK
+    for z in (torch.randn(300, V, generator=g), torch.randint(0, 4, (300, V), generator=g).float(),
+              torch.randn(5, V, generator=g).bfloat16()):
+        z[0, 0] = z[1, -1] = 1e4
+        assert torch.equal(row_argmax(z), z.argmax(-1))
+    odd = torch.randn(7, V + 3, generator=g)
+    assert torch.equal(row_argmax(odd), odd.argmax(-1))
+    assert torch.equal(row_argmax(odd[:, 3:]), odd[:, 3:].argmax(-1))
 
 
 def test_chunked_loss_without_rows_is_zero_with_zero_gradients() -> None:

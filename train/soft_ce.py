@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from config.choices import Acceptance, names
-from train.logit_blocks import LogitBlocks, accumulate_grads, softmax_
+from train.logit_blocks import LogitBlocks, accumulate_grads, row_argmax, softmax_
 
 # -log alpha's floor: alpha is exactly 0 in fp32 when p and q share no mass (one underflows
 # wherever the other has mass), and -log 0 = inf would stop the run; its gradient, bounded for
@@ -116,7 +116,7 @@ class ChunkedSoftCE(torch.autograd.Function):
             p, top = (_cached_probs(blocks, cache, rows[c:c + chunk]) if cache is not None
                       else blocks.target_probs(_chunk_rows(target_hidden, rows, c, chunk), target_head, keep))
             z = blocks.logits(blocks.draft, normed[c:c + chunk], head)    # [c, Vd]
-            pred = z.argmax(-1)
+            pred = row_argmax(z)
             correct[c:c + chunk] = (keep[pred] if keep is not None else pred) == top
             if acceptance is not None:
                 row_loss, alpha[c:c + chunk] = _ce_and_alpha_(p, z, blocks.accept[:z.shape[0]])

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from model.batch import Batch
 from model.chain import read_rows
-from train.logit_blocks import LogitBlocks, accumulate_grads, logsumexp_
+from train.logit_blocks import LogitBlocks, accumulate_grads, logsumexp_, row_argmax
 
 
 def topk_targets(batch: Batch, target_head: Tensor, k: int, chunk_bytes: int) -> Batch:
@@ -111,7 +111,7 @@ class ChunkedTopKCE(torch.autograd.Function):
         for c in range(0, N, chunk):
             s = slice(c, c + chunk)
             z = blocks.logits(blocks.draft, normed[s], head)             # [c, Vd]
-            pred = z.argmax(-1)
+            pred = row_argmax(z)
             correct[s] = (keep[pred] if keep is not None else pred) == top[s]
             z_set = z.gather(1, idx[s])                                  # [c, k] (column 0 off S)
             lse_off[s] = logsumexp_(_mask_set_(z, in_set[s], idx[s]))
