@@ -147,6 +147,12 @@ bench-gpu:
 bench-dump: setup
 	$(PY) -m bench.dump $(ARGS)
 
+# The trainer's bf16 fused attention and blocked argmax against the kernels before them, paired
+# optimizer steps in one process on `make dump`'s store: bench/results/train_kernels.json.
+.PHONY: bench-train-kernels
+bench-train-kernels: setup
+	$(PY) -m bench.train_kernels $(ARGS)
+
 # Capture engine eager (pipeline parallelism) vs compiled (PP 1): bench/results/capture_modes.json.
 bench-capture: setup
 	$(PY) -m bench.capture_modes $(ARGS)

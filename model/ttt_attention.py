@@ -325,9 +325,9 @@ def sample_spans(segment_ids: Tensor | None, B: int, T: int) -> list[tuple[int, 
 
 def _kernel_dtype(q: Tensor) -> torch.dtype:
     """The dtype the fused kernel runs in: bf16 where the training runs in bf16 (the kernel
-    accumulates in fp32 and returns an fp32 log-sum-exp; on a CPU with bf16 units its forward takes
-    ~0.4x and its backward ~0.7x the fp32 time at a 2k-token sample), else fp32. The merge with the
-    diagonal keys and every gradient buffer stay in fp32."""
+    accumulates in fp32 and returns an fp32 log-sum-exp; on a CPU with bf16 units it is faster
+    than in fp32: bench/results/train_kernels.json), else fp32. The merge with the diagonal keys and
+    every gradient buffer stay in fp32."""
     return torch.bfloat16 if q.dtype == torch.bfloat16 else _accumulation_dtype(q)
 
 
