@@ -80,9 +80,11 @@ def row_argmax(z: Tensor) -> Tensor:
     """[c, V] -> [c] int64, z.argmax(-1) exactly (the first of equal maxima). On the CPU, where
     torch's argmax over a row is a scalar loop, several times slower than its amax, through the
     maxima of ARGMAX_BLOCK-wide blocks: the first block holding the row's maximum, then the first
-    maximum inside it."""
+    maximum inside it. Also on the meta device, so that the memory plan (train/plan.py) follows the
+    CPU's temporaries; a GPU's plan then counts a [c, V / ARGMAX_BLOCK] and a [c, ARGMAX_BLOCK]
+    block more than its torch argmax makes."""
     c, V = z.shape
-    if z.device.type != "cpu" or V % ARGMAX_BLOCK or not z.is_contiguous():
+    if z.device.type not in ("cpu", "meta") or V % ARGMAX_BLOCK or not z.is_contiguous():
         return z.argmax(-1)
     blocks = z.view(c, V // ARGMAX_BLOCK, ARGMAX_BLOCK)
     first = blocks.amax(-1).argmax(-1)                                      # [c] block index
