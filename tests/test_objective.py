@@ -19,7 +19,7 @@ from model.verifier_weights import read_verifier_head
 from store import StoreReader
 import train.soft_ce as soft_ce
 from train.objective import Eagle3Objective, ObjectiveConfig, simulated_accept_length
-from train.logit_blocks import ARGMAX_BLOCK, row_argmax
+from train.logit_blocks import ARGMAX_BLOCK, ARGMAX_BLOCKED_MIN, row_argmax
 from train.soft_ce import build_target_cache, soft_cross_entropy
 from train.topk_ce import topk_targets
 
@@ -180,13 +180,18 @@ def test_chunked_loss_in_bf16_follows_the_fp32_reference() -> None:
 def test_row_argmax_is_torchs_argmax_ties_included() -> None:
     """The blocked argmax the losses take their top-1 with: torch's argmax exactly, the first of
     equal maxima included (few distinct values make ties in and across blocks), maxima in the
-    first and the last block; widths off the block grid and column slices go to torch's own."""
+    first and the last block; widths off the block grid, column slices and small blocks go to
+    torch's own."""
     g = torch.Generator().manual_seed(3)
     V = 64 * ARGMAX_BLOCK
-    for z in (torch.randn(300, V, generator=g), torch.randint(0, 4, (300, V), generator=g).float(),
-              torch.randn(5, V, generator=g).bfloat16()):
+    rows = -(-ARGMAX_BLOCKED_MIN // V)                      # the smallest block that takes the blocked path
+    for z in (torch.randn(rows, V, generator=g), torch.randint(0, 4, (rows, V), generator=g).float(),
+              torch.randn(rows, V, generator=g).bfloat16(), torch.randn(5, V, generator=g)):
         z[0, 0] = z[1, -1] = 1e4
         assert torch.equal(row_argmax(z), z.argmax(-1))
+    with torch.profiler.profile() as prof:                   # the blocked path did run: block maxima
+        row_argmax(torch.randn(rows, V, generator=g))
+    assert "aten::amax" in {event.key for event in prof.key_averages()}
     odd = torch.randn(7, V + 3, generator=g)
     assert torch.equal(row_argmax(odd), odd.argmax(-1))
     assert torch.equal(row_argmax(odd[:, 3:]), odd[:, 3:].argmax(-1))

@@ -74,6 +74,11 @@ class LogitBlocks:
 # Column width of row_argmax's blocks: the block maxima are one vectorised reduction, and the
 # argmax that follows reads 1/ARGMAX_BLOCK of the row plus one block.
 ARGMAX_BLOCK = 128
+# Logits blocks smaller than this (16 MiB of fp32) keep torch's argmax: it takes a few
+# milliseconds there, and the blocked one's two temporaries would set a small step's memory peak,
+# which the memory plan's check against a real rank (tests/test_plan.py) reads to 0.1%. The
+# training's and Kimi's loss chunks (thousands of rows at V 8k, hundreds at 164k) are above it.
+ARGMAX_BLOCKED_MIN = 1 << 22
 
 
 def row_argmax(z: Tensor) -> Tensor:
@@ -84,7 +89,8 @@ def row_argmax(z: Tensor) -> Tensor:
     CPU's temporaries; a GPU's plan then counts a [c, V / ARGMAX_BLOCK] and a [c, ARGMAX_BLOCK]
     block more than its torch argmax makes."""
     c, V = z.shape
-    if z.device.type not in ("cpu", "meta") or V % ARGMAX_BLOCK or not z.is_contiguous():
+    if (z.device.type not in ("cpu", "meta") or V % ARGMAX_BLOCK or c * V < ARGMAX_BLOCKED_MIN
+            or not z.is_contiguous()):
         return z.argmax(-1)
     blocks = z.view(c, V // ARGMAX_BLOCK, ARGMAX_BLOCK)
     first = blocks.amax(-1).argmax(-1)                                      # [c] block index
