@@ -40,6 +40,19 @@ class HeldoutSums:
     def chain_accept_length(self) -> float:
         return 1.0 + sum(self.chain_sum.values()) / sum(self.positions.values())
 
+    def shared_with(self, other: HeldoutSums) -> tuple[HeldoutSums, HeldoutSums]:
+        """Both drafts' sums on the samples both were scored on with the same number of positions:
+        two stores whose held-out sets overlap (a dump setting that changes the set's size, or
+        answers decoded again) compare there."""
+        shared = [s for s in self.positions if other.positions.get(s) == self.positions[s]]
+        if not shared:
+            raise ValueError("the two drafts share no held-out sample with the same positions")
+        return self._on(shared), other._on(shared)
+
+    def _on(self, samples: list[str]) -> HeldoutSums:
+        return HeldoutSums(self.step, {s: self.positions[s] for s in samples},
+                           {s: self.chain_sum[s] for s in samples})
+
 
 @dataclass(frozen=True)
 class PairedDifference:

@@ -115,6 +115,17 @@ def test_paired_difference_clusters_by_conversation(tmp_path: Path) -> None:
         paired_difference(a, other)
 
 
+def test_two_held_out_sets_compare_on_the_samples_they_share(tmp_path: Path) -> None:
+    # b's set is a part of a's, and y was scored on other positions (an answer decoded again).
+    a = _sums(tmp_path / "a.json", 100, {"x_0": (10, 12), "y": (20, 30), "z": (40, 20), "w": (5, 1)})
+    b = _sums(tmp_path / "b.json", 100, {"x_0": (10, 10), "y": (21, 26), "z": (40, 24)})
+    a_shared, b_shared = a.shared_with(b)
+    assert a_shared.positions == b_shared.positions == {"x_0": 10, "z": 40}
+    assert paired_difference(a_shared, b_shared).diff == pytest.approx((2 - 4) / 50)
+    with pytest.raises(ValueError, match="share no held-out sample"):
+        a.shared_with(_sums(tmp_path / "c.json", 100, {"v": (3, 1)}))
+
+
 def test_the_draft_layer_starts_from_the_verifiers(kimi_tiny_dir: Path) -> None:
     cfg = compose_config("train")
     draft = build_draft(DraftConfig.from_conf(cfg.draft))

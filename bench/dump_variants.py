@@ -1,0 +1,127 @@
+"""Dump settings against each other, each through the demo's three stages: `python -m bench.dump_variants`.
+
+    .venv/bin/python -m bench.dump_variants --variant NAME='OVERRIDE ...' [--variant ...]
+        [--prompts 96] [--seed 0] [--runs DIR] [--out bench/results/dump_variants.json]
+
+For each variant (a name and the `python -m dump` overrides that make it; none: the defaults), into
+DIR/<name>/: `python -m dump <overrides>` into DIR/<name>/store, `python -m train` on it with its
+defaults but two (`eval.every=0`, as the demo; `seed=<seed>`: the draft's initialisation and
+shuffle), and `python -m evaluation` on its draft with `num_prompts=<prompts>` per category (96 by
+default: on the demo's 24 a figure moves by more than the levers it should tell). A stage whose
+output is already in DIR/<name>/ is not run again, so a stopped run resumes, and a second seed
+(`--seed 1 --runs <another DIR>`) can reuse the first's stores by linking them. Writes, per variant:
+the dump's wall time and the store's samples and tokens, the trainer's held-out chain accept length
+and tokens/s, the evaluation's accept lengths per category (vLLM and simulated, greedy and
+sampled), and each figure's difference from the first variant's. Where a variant changes the
+held-out set, its held-out chain also compares with the first's on the samples both sets hold
+(`heldout_shared`, clustered by conversation); the evaluation's prompts are the same for all.
+Nothing else should run on the machine meanwhile.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.demo import eval_figures, train_figures
+from bench.machine import machine
+from evaluation.paired import HeldoutSums, paired_difference
+from infra import REPO_ROOT
+
+OUT = REPO_ROOT / "bench" / "results" / "dump_variants.json"
+RUNS = REPO_ROOT / "runs" / "bench-dump-variants"
+
+
+def run_stage(args: list[str], done: Path) -> None:
+    """`python -m <args>` unless `done` (the stage's last output) exists."""
+    if done.exists():
+        print(f"bench.dump_variants: {done} is there: {args[0]} not run again", flush=True)
+        return
+    print(f"bench.dump_variants: {' '.join(args)}", flush=True)
+    subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, check=True)
+
+
+def run_variant(name: str, overrides: list[str], runs: Path, prompts: int, seed: int) -> dict[str, Any]:
+    """Dump with `overrides`, train with `seed`, evaluate on `prompts` per category, in runs/<name>."""
+    run = runs / name
+    store, dump, train, evaluation = run / "store", run / "dump", run / "train", run / "eval"
+    run_stage(["dump", *overrides, f"output_dir={store}", f"hydra.run.dir={dump}"], dump / "dump_summary.json")
+    run_stage(["train", f"store_dir={store}", f"seed={seed}", "eval.every=0", f"hydra.run.dir={train}"],
+              train / "summary.json")
+    run_stage(["evaluation", f"draft_dir={train / 'draft'}", f"num_prompts={prompts}", "card=false",
+               f"hydra.run.dir={evaluation}"], evaluation / "eval.json")
+    summary = json.loads((dump / "dump_summary.json").read_text())
+    trained = train_figures(train)
+    return {"variant": name, "dump_overrides": overrides, "seed": seed, "run": str(run),
+            "dump": {"wall_s": summary["wall_s"], "samples": summary["samples_written"],
+                     "tokens": summary["tokens_written"]},
+            "train": {"heldout_chain_accept_length": trained["heldout_chain_accept_length"],
+                      "tokens_per_s_steady_median": trained["tokens_per_s_steady_median"]},
+            "eval": eval_figures(evaluation)}
+
+
+def heldout_shared(row: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """The held-out chain difference, row minus base, on the held-out samples both drafts were
+    scored on with the same positions, with its standard error clustered by conversation."""
+    sums = [HeldoutSums.read(Path(r["run"]) / "train" / "heldout_samples.json") for r in (row, base)]
+    return paired_difference(*sums[0].shared_with(sums[1])).to_json()
+
+
+def differences(row: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """Each accept length of `row` minus the same one of `base`; the held-out chain both on each
+    store's own held-out set and on the samples the two sets share."""
+    out = {"heldout_chain_accept_length": row["train"]["heldout_chain_accept_length"]
+           - base["train"]["heldout_chain_accept_length"],
+           "heldout_shared": heldout_shared(row, base)}
+    for name, cat in row["eval"]["categories"].items():
+        for key in ("vllm_greedy", "vllm_sampled", "sim_greedy", "sim_sampled"):
+            out[f"{name}.{key}"] = cat[key] - base["eval"]["categories"][name][key]
+    return out
+
+
+def compare(variants: list[tuple[str, list[str]]], runs: Path, prompts: int, seed: int,
+            command: str, what: str) -> dict[str, Any]:
+    """Every variant's row, the later ones with their differences from the first: the report."""
+    rows = [run_variant(name, overrides, runs.resolve(), prompts, seed) for name, overrides in variants]
+    for row in rows[1:]:
+        row["minus_first"] = differences(row, rows[0])
+    for row in rows:
+        cats = row["eval"]["categories"]
+        print(f"bench.dump_variants: {row['variant']}: held-out chain "
+              f"{row['train']['heldout_chain_accept_length']:.3f}; " + "; ".join(
+                  f"{name} vLLM greedy {c['vllm_greedy']:.3f} sampled {c['vllm_sampled']:.3f}" for name, c in cats.items()))
+    return {"what": what, "command": command, "date": time.strftime("%Y-%m-%d", time.gmtime()),
+            "machine": machine(), "prompts_per_category": prompts, "runs": rows}
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    """NAME=OVERRIDES (space-separated Hydra overrides of `python -m dump`) -> (name, overrides)."""
+    name, sep, overrides = text.partition("=")
+    if not sep or not name or "/" in name:
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: expected NAME='override override ...'")
+    return name, overrides.split()
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variant", type=parse_variant, action="append", required=True,
+                        help="NAME='OVERRIDE ...': the first is the baseline")
+    parser.add_argument("--prompts", type=int, default=96, help="evaluation prompts per category")
+    parser.add_argument("--seed", type=int, default=0, help="the training's seed (conf/train.yaml seed)")
+    parser.add_argument("--runs", type=Path, default=RUNS)
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args(argv)
+    command = "python -m bench.dump_variants " + shlex.join(argv or sys.argv[1:])
+    report = compare(args.variant, args.runs, args.prompts, args.seed, command, __doc__.splitlines()[0])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()
