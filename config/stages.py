@@ -82,6 +82,7 @@ class TrainConf:
     # From the recipe (conf/recipe/<verifier>.yaml).
     max_len: int
     lr: float
+    lr_tuned_steps: Optional[int]
     warmup_steps: Optional[int]
     warmup_ratio: Optional[float]
     min_lr_ratio: float

@@ -81,6 +81,8 @@ def train_problems(cfg: DictConfig) -> list[str]:
     if t.steps is not None and t.steps < 0:
         found.append(f"train.steps={t.steps} (0 or more; null: train.epochs passes)")
     found += warmup_problems(t.warmup_steps, t.warmup_ratio)
+    if t.lr_tuned_steps is not None and t.lr_tuned_steps < 1:
+        found.append(f"train.lr_tuned_steps={t.lr_tuned_steps} (a number of steps, or null)")
     if not 0.0 < t.train_fraction <= 1.0:
         found.append(f"train.train_fraction={t.train_fraction} (in (0, 1])")
     found += acceptance_problems(loss.acceptance, loss.acceptance_weight, loss.target_topk, "train.loss.")

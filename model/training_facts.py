@@ -25,7 +25,7 @@ class TrainingFacts:
     micro_batch: int            # packed rows per rank per micro-step
     grad_accum: int
     max_len: int                # tokens per packed row
-    lr: float
+    lr: float                   # the peak, after warmup (train/deepspeed_setup.py peak_lr)
     warmup: str                 # "N steps" or "r of the steps"
     min_lr_ratio: float
     grad_clip: float

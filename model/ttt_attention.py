@@ -331,11 +331,28 @@ def _kernel_dtype(q: Tensor) -> torch.dtype:
     return torch.bfloat16 if q.dtype == torch.bfloat16 else _accumulation_dtype(q)
 
 
-def _flash_heads(x: Tensor, b: int, start: int, end: int, dtype: torch.dtype, width: int) -> Tensor:
-    """x[b, start:end] [n, h, d] -> [1, h, n, width] in dtype, zero-padded to width (the fused kernel
-    wants one head size for q, k and v; MLA's values are narrower than its keys)."""
+# The fused kernel in bf16 keeps state for every sequence length it meets (on a CPU with AMX its
+# matmul kernels are built per shape), and packed samples come in every length: the trainer's
+# memory grew by 2 GiB over 100 steps. In bf16 a sample's span is therefore zero-padded at its end to
+# a multiple of this many positions; under the causal mask no real query sees a padded key, and the
+# padded queries' outputs are dropped (their zero output gradient gives the keys nothing).
+FLASH_LENGTH_MULTIPLE = 64
+
+
+def _kernel_length(n: int, dtype: torch.dtype) -> int:
+    """The length a span of n positions runs at on the fused kernel in `dtype` (see above)."""
+    if dtype != torch.bfloat16:
+        return n
+    return -(-n // FLASH_LENGTH_MULTIPLE) * FLASH_LENGTH_MULTIPLE
+
+
+def _flash_heads(x: Tensor, b: int, start: int, end: int, dtype: torch.dtype, width: int, length: int) -> Tensor:
+    """x[b, start:end] [n, h, d] -> [1, h, length, width] in dtype, zero-padded to width (the fused
+    kernel wants one head size for q, k and v; MLA's values are narrower than its keys) and to length
+    positions at the end (_kernel_length)."""
     y = x[b, start:end].transpose(0, 1).to(dtype)[None]
-    return F.pad(y, (0, width - y.shape[-1])) if width > y.shape[-1] else y
+    pad_d, pad_n = max(0, width - y.shape[-1]), length - y.shape[-2]
+    return F.pad(y, (0, pad_d, 0, pad_n)) if pad_d or pad_n else y
 
 
 def _flash_ttt_forward(q: Tensor, k0: Tensor, v0: Tensor, diag_k: tuple[Tensor, ...], diag_v: tuple[Tensor, ...],
@@ -348,11 +365,13 @@ def _flash_ttt_forward(q: Tensor, k0: Tensor, v0: Tensor, diag_k: tuple[Tensor, 
     out0 = torch.empty(B, T, h, dv, dtype=acc, device=q.device)
     lse0 = torch.empty(B, T, h, dtype=acc, device=q.device)
     for b, start, end in sample_spans(segment_ids, B, T):
+        n = end - start
+        m = _kernel_length(n, kern)
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            _flash_heads(q, b, start, end, kern, dqk), _flash_heads(k0, b, start, end, kern, dqk),
-            _flash_heads(v0, b, start, end, kern, dqk), 0.0, True, scale=scale)
-        out0[b, start:end] = o[0, :, :, :dv].transpose(0, 1)
-        lse0[b, start:end] = lse[0].transpose(0, 1)
+            _flash_heads(q, b, start, end, kern, dqk, m), _flash_heads(k0, b, start, end, kern, dqk, m),
+            _flash_heads(v0, b, start, end, kern, dqk, m), 0.0, True, scale=scale)
+        out0[b, start:end] = o[0, :, :n, :dv].transpose(0, 1)
+        lse0[b, start:end] = lse[0, :, :n].transpose(0, 1)
     if not diag_k:
         return out0.to(q.dtype), lse0
     qf = q.to(acc)
@@ -377,14 +396,17 @@ def _flash_ttt_backward(d_out: Tensor, q: Tensor, out: Tensor, lse: Tensor, k0: 
     dk0 = torch.empty(B, T, h, dqk, dtype=acc, device=q.device)
     dv0 = torch.empty(B, T, h, dv, dtype=acc, device=q.device)
     for b, start, end in sample_spans(segment_ids, B, T):
+        n = end - start
+        m = _kernel_length(n, kern)
         g = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            _flash_heads(d_out, b, start, end, kern, dqk), _flash_heads(q, b, start, end, kern, dqk),
-            _flash_heads(k0, b, start, end, kern, dqk), _flash_heads(v0, b, start, end, kern, dqk),
-            _flash_heads(out, b, start, end, kern, dqk), lse[b, start:end].transpose(0, 1)[None].contiguous(),
+            _flash_heads(d_out, b, start, end, kern, dqk, m), _flash_heads(q, b, start, end, kern, dqk, m),
+            _flash_heads(k0, b, start, end, kern, dqk, m), _flash_heads(v0, b, start, end, kern, dqk, m),
+            _flash_heads(out, b, start, end, kern, dqk, m),
+            F.pad(lse[b, start:end].transpose(0, 1)[None], (0, m - n)).contiguous(),
             0.0, True, scale=scale)
-        dq[b, start:end] = g[0][0].transpose(0, 1)
-        dk0[b, start:end] = g[1][0].transpose(0, 1)
-        dv0[b, start:end] = g[2][0, :, :, :dv].transpose(0, 1)
+        dq[b, start:end] = g[0][0, :, :n].transpose(0, 1)
+        dk0[b, start:end] = g[1][0, :, :n].transpose(0, 1)
+        dv0[b, start:end] = g[2][0, :, :n, :dv].transpose(0, 1)
     d_diag_k, d_diag_v = [], []
     if diag_k:
         qf, do = q.to(acc), d_out.to(acc)

@@ -3,6 +3,7 @@ of the rows it reads (the store check: tests/test_compatibility.py)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 from pathlib import Path
 
@@ -185,6 +186,24 @@ def test_row_length_and_lr_follow_the_verifier_recipe() -> None:
     tiny = compose_config("train").train
     assert tiny.max_len < 8192 and tiny.ttt.steps == 4 and tiny.ttt.decay == 0.8
     assert not tiny.loss.last_turn_only
+
+
+def test_kimi_tinys_peak_lr_falls_with_the_runs_length() -> None:
+    """kimi-tiny's 3e-3 holds up to the 100 steps it was tuned at; longer runs peak at
+    3e-3 x sqrt(100 / steps), in the optimizer DeepSpeed builds; Kimi's 2e-5 holds at any length."""
+    from train.deepspeed_setup import deepspeed_config, peak_lr
+
+    cfg = compose_config("train")
+    t = cfg.train
+    assert (t.lr, t.lr_tuned_steps) == (3e-3, 100)
+    assert peak_lr(t, 50) == peak_lr(t, 100) == peak_lr(t, None) == 3e-3
+    assert peak_lr(t, 300) == pytest.approx(3e-3 / math.sqrt(3))
+    assert deepspeed_config(cfg, 400)["optimizer"]["params"]["lr"] == pytest.approx(1.5e-3)
+    assert deepspeed_config(cfg)["optimizer"]["params"]["lr"] == 3e-3
+    k2 = compose_config("train", ["verifier=kimi_k2", "draft=kimi_k2"]).train
+    assert k2.lr_tuned_steps is None and peak_lr(k2, 100_000) == 2e-5
+    with pytest.raises(Exception, match="lr_tuned_steps"):
+        compose_config("train", ["train.lr_tuned_steps=0"])
 
 
 def test_kimi_k3_recipe() -> None:

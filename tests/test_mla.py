@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.mla import MLAConfig, MLAttention, RMSNorm
 from model.ttt_attention import (
+    FLASH_LENGTH_MULTIPLE,
     MAX_BLOCK,
     MIN_BLOCK,
     TILE_BYTES,
@@ -313,6 +314,38 @@ def test_fused_cpu_kernel_in_bf16_saves_what_the_blocked_one_saves() -> None:
     for a, b in zip(grads, torch.autograd.grad((ref * upstream).sum(), ref_leaves)):
         assert a.dtype == torch.bfloat16
         torch.testing.assert_close(a.float(), b, rtol=2e-2, atol=2e-2)
+
+
+class _FlashLengths(TorchDispatchMode):
+    """The sequence lengths the fused CPU kernel is called with, forward and backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lengths: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "_scaled_dot_product_flash_attention_for_cpu" in str(func):
+            self.lengths.append(args[0].shape[2])         # q [1, heads, n, width]
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_cpu_kernel_in_bf16_meets_lengths_on_a_grid(dtype: torch.dtype) -> None:
+    """In bf16 every packed sample reaches the fused kernel padded at its end to a multiple of
+    FLASH_LENGTH_MULTIPLE positions (the kernel keeps state per length, and samples come in every
+    length), forward and backward; fp32 runs each at its own length. The bf16 results still follow
+    the fp32 reference (test above), padding and all."""
+    g = torch.Generator().manual_seed(8)
+    B, T, h, dqk, dv, steps = 2, 24, 2, 16, 8, 2
+    q32, cache32 = _cache(B, T, h, dqk, dv, steps, g)
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q32, *cache32.tensors())]
+    seg = _packed_segments(B, T)
+    with _FlashLengths() as seen:
+        out = attention_ttt(leaves[0], TTTCache.from_tensors(tuple(leaves[1:])), 0.3, seg)
+        torch.autograd.grad(out.float().sum(), leaves)
+    spans = [end - start for _, start, end in sample_spans(seg, B, T)]       # 24; 5, 6, 10, 3
+    want = [FLASH_LENGTH_MULTIPLE] * len(spans) if dtype == torch.bfloat16 else spans
+    assert seen.lengths == want + want                                        # forward, backward
 
 
 class _ShapeRecorder(TorchDispatchMode):

@@ -39,8 +39,19 @@ def precision_of(precision: str, device_type: str | None = None,
     return "bf16" if has_bf16_units(cpu_flags) else "fp32"
 
 
-def deepspeed_config(cfg: TrainJob) -> dict[str, Any]:
-    """conf/deepspeed/<stage>.yaml + the training values (batch, precision, optimizer, clipping)."""
+def peak_lr(train: TrainConf, total_steps: int | None) -> float:
+    """The lr after warmup: train.lr, or for a run of more than train.lr_tuned_steps steps
+    lr x sqrt(lr_tuned_steps / total_steps). With a cosine schedule the best peak falls as a run
+    grows longer (at kimi-tiny's 300 steps 1.7e-3 against the 3e-3 tuned at 100, both seeds:
+    bench/results/lr_horizon.json); a run of unknown length (train.follow) keeps train.lr."""
+    if train.lr_tuned_steps is None or total_steps is None or total_steps <= train.lr_tuned_steps:
+        return train.lr
+    return train.lr * math.sqrt(train.lr_tuned_steps / total_steps)
+
+
+def deepspeed_config(cfg: TrainJob, total_steps: int | None = None) -> dict[str, Any]:
+    """conf/deepspeed/<stage>.yaml + the training values (batch, precision, optimizer, clipping);
+    total_steps: the run's length, for its peak lr (peak_lr)."""
     t = cfg.train
     precision = precision_of(t.precision)
     ds = OmegaConf.to_container(cfg.deepspeed, resolve=True)
@@ -52,7 +63,7 @@ def deepspeed_config(cfg: TrainJob) -> dict[str, Any]:
         "gradient_clipping": t.grad_clip,
         "bf16": {"enabled": precision == "bf16"},
         "optimizer": {"type": "AdamW", "params": {
-            "lr": t.lr, "betas": list(t.betas), "eps": t.eps,
+            "lr": peak_lr(t, total_steps), "betas": list(t.betas), "eps": t.eps,
             "weight_decay": t.weight_decay, "torch_adam": t.torch_adam,
             # torch's fused kernel: on a CPU the default single-tensor step makes two temporaries
             # the size of the fp32 weights (ZeRO keeps them in one flat tensor): 5 GB for the
@@ -100,7 +111,7 @@ def initialize(objective: Eagle3Objective, cfg: TrainJob, total_steps: int | Non
     them ZeRO reduces and partitions over every rank and averages over the data-parallel groups."""
     import deepspeed
 
-    ds_config = deepspeed_config(cfg)
+    ds_config = deepspeed_config(cfg, total_steps)
     head = objective.draft.lm_head.weight
     if ds_config.get("zero_optimization", {}).get("stage", 0) == 3 and isinstance(head, torch.nn.Parameter):
         # The objective reads the draft's lm_head outside lm_head's own forward (chunked loss); a

@@ -409,6 +409,7 @@ def fit(cfg: TrainJob, run_dir: Path) -> dict[str, Any]:
                "sequence_parallel": trainer.sequence.size, "steps": trainer.total, "follow": source.summary(),
                "resumed_from": str(resumed_from) if resumed_from else None, "zero_stage": zero_stage(trainer.engine),
                "precision": precision_of(cfg.train.precision),
+               "peak_lr": trainer.engine.lr_scheduler.base_lrs[0],   # train.lr, or its peak_lr for the run's length
                "train_tokens_per_s": trainer.tokens / trainer.seconds if trainer.seconds else None,
                "heldout": trainer.heldout, "exported": exported,
                "last_checkpoint": str(trainer.last_ckpt) if trainer.last_ckpt else None,
