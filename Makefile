@@ -164,12 +164,12 @@ bench-capture: setup
 bench-eval-engine: setup
 	$(PY) -m bench.eval_engine --draft $(DRAFT) $(ARGS)
 
-# Dump settings against each other (bench/dump_variants.py), each through the demo's dump, training
-# and an evaluation on 96 prompts per category: bench/results/dump_variants.json. About 20 minutes per
-# variant on 2 cores. ARGS="--variant base= --variant more='data.max_samples=576'".
-.PHONY: bench-dump-variants
-bench-dump-variants: setup
-	$(PY) -m bench.dump_variants $(ARGS)
+# Pipeline settings against each other (bench/variants.py), each through the demo's dump, training
+# and an evaluation on 96 prompts per category: bench/results/variants.json. About 20 minutes per
+# variant on 2 cores. ARGS="--variant base= --variant more='data.max_samples=576' --variant lr='train:train.lr=1e-3'".
+.PHONY: bench-variants
+bench-variants: setup
+	$(PY) -m bench.variants $(ARGS)
 
 # The dump's sampled copies (regenerate.sampled_share) at a few shares, each through the demo's dump,
 # training and an evaluation on 96 prompts per category: bench/results/sampled_share.json. About 20

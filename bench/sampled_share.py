@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.sampled_share [--shares 0 0.125 0.25] [--prompts 96] [--seed 0] [--runs DIR]
         [--out bench/results/sampled_share.json]
 
-bench/dump_variants.py with one variant per share s, named s: `python -m dump
+bench/variants.py with one variant per share s, named s: `python -m dump
 regenerate.sampled_share=<s>` (that share of the training conversations answered a second time at
 regenerate.sampled_temperature, dump/regenerate.py), then the demo's training and an evaluation on
 96 prompts per category, into DIR/<s>/. Each row also names its share; the held-out conversations
@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.dump_variants import compare
+from bench.variants import compare
 from infra import REPO_ROOT
 
 OUT = REPO_ROOT / "bench" / "results" / "sampled_share.json"

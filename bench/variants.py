@@ -1,21 +1,22 @@
-"""Dump settings against each other, each through the demo's three stages: `python -m bench.dump_variants`.
+"""Pipeline settings against each other, each through the demo's three stages: `python -m bench.variants`.
 
-    .venv/bin/python -m bench.dump_variants --variant NAME='OVERRIDE ...' [--variant ...]
-        [--prompts 96] [--seed 0] [--runs DIR] [--out bench/results/dump_variants.json]
+    .venv/bin/python -m bench.variants --variant NAME='OVERRIDE ...' [--variant ...]
+        [--prompts 96] [--seed 0] [--runs DIR] [--out bench/results/variants.json]
 
-For each variant (a name and the `python -m dump` overrides that make it; none: the defaults), into
-DIR/<name>/: `python -m dump <overrides>` into DIR/<name>/store, `python -m train` on it with its
-defaults but two (`eval.every=0`, as the demo; `seed=<seed>`: the draft's initialisation and
-shuffle), and `python -m evaluation` on its draft with `num_prompts=<prompts>` per category (96 by
-default: on the demo's 24 a figure moves by more than the levers it should tell). A stage whose
-output is already in DIR/<name>/ is not run again, so a stopped run resumes, and a second seed
-(`--seed 1 --runs <another DIR>`) can reuse the first's stores by linking them. Writes, per variant:
-the dump's wall time and the store's samples and tokens, the trainer's held-out chain accept length
-and tokens/s, the evaluation's accept lengths per category (vLLM and simulated, greedy and
-sampled), and each figure's difference from the first variant's. Where a variant changes the
-held-out set, its held-out chain also compares with the first's on the samples both sets hold
-(`heldout_shared`, clustered by conversation); the evaluation's prompts are the same for all.
-Nothing else should run on the machine meanwhile.
+Each variant is a name and the overrides that make it (none: the defaults): `python -m dump`'s, and
+`python -m train`'s written with a `train:` prefix (`train:train.lr=1.7e-3`). Into DIR/<name>/:
+`python -m dump <its overrides>` into DIR/<name>/store, `python -m train` on it with the demo's
+`eval.every=0`, `seed=<seed>` (the draft's initialisation and shuffle) and its overrides, and
+`python -m evaluation` on its draft with `num_prompts=<prompts>` per category (96 by default: on the
+demo's 24 a figure moves by more than the levers it should tell). A stage whose output is already
+in DIR/<name>/ is not run again, so a stopped run resumes, and variants that dump alike can share
+one store (a link to it at DIR/<name>/store and DIR/<name>/dump). Writes, per variant: the dump's
+wall time and the store's samples and tokens, the trainer's held-out chain accept length and
+tokens/s, the evaluation's accept lengths per category (vLLM and simulated, greedy and sampled),
+and each figure's difference from the first variant's. The held-out chain also compares with the
+first's on the samples both held-out sets hold with the same positions (`heldout_shared`,
+clustered by conversation), so a variant that changes the set compares too; the evaluation's
+prompts are the same for all. Nothing else should run on the machine meanwhile.
 """
 from __future__ import annotations
 
@@ -33,31 +34,36 @@ from bench.machine import machine
 from evaluation.paired import HeldoutSums, paired_difference
 from infra import REPO_ROOT
 
-OUT = REPO_ROOT / "bench" / "results" / "dump_variants.json"
-RUNS = REPO_ROOT / "runs" / "bench-dump-variants"
+OUT = REPO_ROOT / "bench" / "results" / "variants.json"
+RUNS = REPO_ROOT / "runs" / "bench-variants"
 
 
 def run_stage(args: list[str], done: Path) -> None:
     """`python -m <args>` unless `done` (the stage's last output) exists."""
     if done.exists():
-        print(f"bench.dump_variants: {done} is there: {args[0]} not run again", flush=True)
+        print(f"bench.variants: {done} is there: {args[0]} not run again", flush=True)
         return
-    print(f"bench.dump_variants: {' '.join(args)}", flush=True)
+    print(f"bench.variants: {' '.join(args)}", flush=True)
     subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, check=True)
 
 
+TRAIN = "train:"     # an override of `python -m train`; the others are `python -m dump`'s
+
+
 def run_variant(name: str, overrides: list[str], runs: Path, prompts: int, seed: int) -> dict[str, Any]:
-    """Dump with `overrides`, train with `seed`, evaluate on `prompts` per category, in runs/<name>."""
+    """Dump and train with `overrides`, train with `seed`, evaluate on `prompts` per category, in runs/<name>."""
     run = runs / name
     store, dump, train, evaluation = run / "store", run / "dump", run / "train", run / "eval"
-    run_stage(["dump", *overrides, f"output_dir={store}", f"hydra.run.dir={dump}"], dump / "dump_summary.json")
-    run_stage(["train", f"store_dir={store}", f"seed={seed}", "eval.every=0", f"hydra.run.dir={train}"],
+    dump_args = [o for o in overrides if not o.startswith(TRAIN)]
+    train_args = [o[len(TRAIN):] for o in overrides if o.startswith(TRAIN)]
+    run_stage(["dump", *dump_args, f"output_dir={store}", f"hydra.run.dir={dump}"], dump / "dump_summary.json")
+    run_stage(["train", f"store_dir={store}", f"seed={seed}", "eval.every=0", *train_args, f"hydra.run.dir={train}"],
               train / "summary.json")
     run_stage(["evaluation", f"draft_dir={train / 'draft'}", f"num_prompts={prompts}", "card=false",
                f"hydra.run.dir={evaluation}"], evaluation / "eval.json")
     summary = json.loads((dump / "dump_summary.json").read_text())
     trained = train_figures(train)
-    return {"variant": name, "dump_overrides": overrides, "seed": seed, "run": str(run),
+    return {"variant": name, "overrides": overrides, "seed": seed, "run": str(run),
             "dump": {"wall_s": summary["wall_s"], "samples": summary["samples_written"],
                      "tokens": summary["tokens_written"]},
             "train": {"heldout_chain_accept_length": trained["heldout_chain_accept_length"],
@@ -92,7 +98,7 @@ def compare(variants: list[tuple[str, list[str]]], runs: Path, prompts: int, see
         row["minus_first"] = differences(row, rows[0])
     for row in rows:
         cats = row["eval"]["categories"]
-        print(f"bench.dump_variants: {row['variant']}: held-out chain "
+        print(f"bench.variants: {row['variant']}: held-out chain "
               f"{row['train']['heldout_chain_accept_length']:.3f}; " + "; ".join(
                   f"{name} vLLM greedy {c['vllm_greedy']:.3f} sampled {c['vllm_sampled']:.3f}" for name, c in cats.items()))
     return {"what": what, "command": command, "date": time.strftime("%Y-%m-%d", time.gmtime()),
@@ -100,7 +106,7 @@ def compare(variants: list[tuple[str, list[str]]], runs: Path, prompts: int, see
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
-    """NAME=OVERRIDES (space-separated Hydra overrides of `python -m dump`) -> (name, overrides)."""
+    """NAME=OVERRIDES (space-separated Hydra overrides, `train:` before the trainer's) -> (name, overrides)."""
     name, sep, overrides = text.partition("=")
     if not sep or not name or "/" in name:
         raise argparse.ArgumentTypeError(f"--variant {text!r}: expected NAME='override override ...'")
@@ -116,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--runs", type=Path, default=RUNS)
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
-    command = "python -m bench.dump_variants " + shlex.join(argv or sys.argv[1:])
+    command = "python -m bench.variants " + shlex.join(argv or sys.argv[1:])
     report = compare(args.variant, args.runs, args.prompts, args.seed, command, __doc__.splitlines()[0])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
