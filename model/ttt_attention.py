@@ -346,6 +346,14 @@ def _kernel_length(n: int, dtype: torch.dtype) -> int:
     return -(-n // FLASH_LENGTH_MULTIPLE) * FLASH_LENGTH_MULTIPLE
 
 
+def _kernel_spans(segment_ids: Tensor | None, B: int, T: int, dtype: torch.dtype
+                  ) -> list[tuple[int, int, int, int, int]]:
+    """(row, start, end, n, m) of every packed sample (sample_spans): its n positions and the m it
+    runs at on the fused kernel in `dtype` (_kernel_length)."""
+    return [(b, start, end, end - start, _kernel_length(end - start, dtype))
+            for b, start, end in sample_spans(segment_ids, B, T)]
+
+
 def _flash_heads(x: Tensor, b: int, start: int, end: int, dtype: torch.dtype, width: int, length: int) -> Tensor:
     """x[b, start:end] [n, h, d] -> [1, h, length, width] in dtype, zero-padded to width (the fused
     kernel wants one head size for q, k and v; MLA's values are narrower than its keys) and to length
@@ -364,9 +372,7 @@ def _flash_ttt_forward(q: Tensor, k0: Tensor, v0: Tensor, diag_k: tuple[Tensor, 
     acc, kern = _accumulation_dtype(q), _kernel_dtype(q)
     out0 = torch.empty(B, T, h, dv, dtype=acc, device=q.device)
     lse0 = torch.empty(B, T, h, dtype=acc, device=q.device)
-    for b, start, end in sample_spans(segment_ids, B, T):
-        n = end - start
-        m = _kernel_length(n, kern)
+    for b, start, end, n, m in _kernel_spans(segment_ids, B, T, kern):
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             _flash_heads(q, b, start, end, kern, dqk, m), _flash_heads(k0, b, start, end, kern, dqk, m),
             _flash_heads(v0, b, start, end, kern, dqk, m), 0.0, True, scale=scale)
@@ -395,9 +401,7 @@ def _flash_ttt_backward(d_out: Tensor, q: Tensor, out: Tensor, lse: Tensor, k0: 
     dq = torch.empty(B, T, h, dqk, dtype=acc, device=q.device)
     dk0 = torch.empty(B, T, h, dqk, dtype=acc, device=q.device)
     dv0 = torch.empty(B, T, h, dv, dtype=acc, device=q.device)
-    for b, start, end in sample_spans(segment_ids, B, T):
-        n = end - start
-        m = _kernel_length(n, kern)
+    for b, start, end, n, m in _kernel_spans(segment_ids, B, T, kern):
         g = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             _flash_heads(d_out, b, start, end, kern, dqk, m), _flash_heads(q, b, start, end, kern, dqk, m),
             _flash_heads(k0, b, start, end, kern, dqk, m), _flash_heads(v0, b, start, end, kern, dqk, m),
