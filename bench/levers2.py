@@ -2,13 +2,14 @@
 `make bench-levers [ARGS=...]`.
 
     .venv/bin/python -m bench.levers2 [--store STORE] [--rungs NAME ...] [--seeds 0 1] [--jobs 2]
-        [--fresh] [--out bench/results/levers2.json]
+        [--fresh] [--runs runs/bench-levers2] [--out bench/results/levers2.json]
 
 The peer setting is bench/recipe.py's (PEER: 100 optimizer steps of 2 packed rows of up to 2,048
 tokens, TTT 4, 4 drafts evaluated, 1 data worker) on the store `make dump` writes, whose held-out
 set is one part per held-out conversation (data/heldout_set.py, conf/dump.yaml heldout_set). Every run is `python -m train`
-with PEER, the rung's overrides and `seed=<s>`, in runs/bench-levers2/<rung>-s<seed> (its command in
-<rung>-s<seed>.cmd beside it); a run folder with a summary.json is read back, not retrained.
+with PEER, the rung's overrides and `seed=<s>`, in <runs>/<rung>-s<seed> (its command in
+<rung>-s<seed>.cmd beside it; one --runs folder per store); a run folder with a summary.json is read
+back, not retrained.
 
 Per rung: the held-out chain accept length per seed (1 + sum_k share of positions whose drafts
 1..k all equal the verifier's top-1), and against the rung it builds on, per seed, the difference
@@ -52,7 +53,8 @@ class Rung:
 
 RUNGS = [
     # The recipe before this ladder, pinned (the defaults have since moved to what it kept).
-    Rung("base", None, ("train.lr=1.0e-3",), "the defaults before this ladder (lr 1e-3)"),
+    Rung("base", None, ("train.lr=1.0e-3", "train.grad_clip=0.5"),
+         "the defaults before this ladder (lr 1e-3, gradient norm clipped at 0.5)"),
     Rung("lk", "base", ("train.loss.acceptance=lk",), "+ LK alpha: -log sum min(p, q), beside the soft CE (weight 1)"),
     Rung("lk-lambda", "base", ("train.loss.acceptance=hybrid", "train.loss.acceptance_weight=3.0"),
          "LK lambda: lambda CE + (1 - lambda) TV, lambda = exp(-eta alpha) per position, eta 3"),
@@ -72,6 +74,7 @@ RUNGS = [
     Rung("lr3e-3-min-lr0", "lr3e-3", ("train.min_lr_ratio=0.0",), "lr 3e-3 + cosine to 0 (not 0.1 x lr)"),
     Rung("lr3e-3-clip1", "lr3e-3", ("train.grad_clip=1.0",), "lr 3e-3 + gradient norm clipped at 1.0 (not 0.5)"),
     Rung("lr3e-3-clip0.25", "lr3e-3", ("train.grad_clip=0.25",), "lr 3e-3 + gradient norm clipped at 0.25 (not 0.5)"),
+    Rung("lr3e-3-clip0.1", "lr3e-3", ("train.grad_clip=0.1",), "lr 3e-3 + gradient norm clipped at 0.1 (not 0.5)"),
 ]
 BY_NAME = {r.name: r for r in RUNGS}
 
@@ -81,12 +84,12 @@ def overrides_of(name: str) -> list[str]:
     return (overrides_of(rung.parent) if rung.parent else []) + list(rung.overrides)
 
 
-def run_dir(name: str, seed: int) -> Path:
-    return RUNS / f"{name}-s{seed}"
+def run_dir(runs: Path, name: str, seed: int) -> Path:
+    return runs / f"{name}-s{seed}"
 
 
-def train_run(name: str, seed: int, store: Path, jobs: int, fresh: bool) -> Path:
-    out = run_dir(name, seed)
+def train_run(runs: Path, name: str, seed: int, store: Path, jobs: int, fresh: bool) -> Path:
+    out = run_dir(runs, name, seed)
     if (out / "summary.json").exists() and not fresh:
         return out
     if out.exists():
@@ -96,9 +99,9 @@ def train_run(name: str, seed: int, store: Path, jobs: int, fresh: bool) -> Path
         (out / SHARED).touch()
     cmd = [sys.executable, "-m", "train", f"store_dir={store}", *PEER, *overrides_of(name), f"seed={seed}",
            f"train.threads={2 if jobs == 1 else 1}", f"hydra.run.dir={out}"]
-    (RUNS / f"{out.name}.cmd").write_text(f"cd {REPO_ROOT} && " + " ".join(cmd) + "\n")
+    (runs / f"{out.name}.cmd").write_text(f"cd {REPO_ROOT} && " + " ".join(cmd) + "\n")
     began = time.perf_counter()
-    with open(RUNS / f"{out.name}.log", "w") as log:
+    with open(runs / f"{out.name}.log", "w") as log:
         subprocess.run(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
     (out / "wall_s.txt").write_text(f"{time.perf_counter() - began:.1f}\n")
     return out
@@ -115,16 +118,17 @@ def run_figures(out: Path) -> dict[str, Any]:
             "peak_rss_gib": max(r["peak_rss_bytes"] for r in train) / 1024 ** 3}
 
 
-def rung_figures(name: str, seeds: list[int]) -> dict[str, Any]:
+def rung_figures(runs: Path, name: str, seeds: list[int], compared: bool) -> dict[str, Any]:
+    """compared: its parent was run too (a rung asked for brings its parent, not the parent's)."""
     rung = BY_NAME[name]
-    runs = {s: run_figures(run_dir(name, s)) for s in seeds}
+    figures = {s: run_figures(run_dir(runs, name, s)) for s in seeds}
     out: dict[str, Any] = {"lever": rung.lever, "parent": rung.parent, "overrides": overrides_of(name),
-                           "seeds": {str(s): r for s, r in runs.items()},
-                           "chain_accept_mean": statistics.mean(r["chain_accept_length"] for r in runs.values())}
-    if rung.parent is None:
+                           "seeds": {str(s): r for s, r in figures.items()},
+                           "chain_accept_mean": statistics.mean(r["chain_accept_length"] for r in figures.values())}
+    if rung.parent is None or not compared:
         return out
-    diffs = {s: paired_difference(HeldoutSums.read(run_dir(name, s) / SAMPLES),
-                                  HeldoutSums.read(run_dir(rung.parent, s) / SAMPLES)) for s in seeds}
+    diffs = {s: paired_difference(HeldoutSums.read(run_dir(runs, name, s) / SAMPLES),
+                                  HeldoutSums.read(run_dir(runs, rung.parent, s) / SAMPLES)) for s in seeds}
     values = [d.diff for d in diffs.values()]
     out["vs_parent"] = {str(s): d.to_json() for s, d in diffs.items()}
     out["delta_mean"] = statistics.mean(values)
@@ -161,6 +165,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seeds", nargs="*", type=int, default=[0, 1])
     parser.add_argument("--jobs", type=int, default=1, help="runs trained at once (1 thread each when > 1)")
     parser.add_argument("--fresh", action="store_true")
+    parser.add_argument("--runs", type=Path, default=RUNS, help="the run folders (one set per store)")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
     unknown = [n for n in args.rungs if n not in BY_NAME]
@@ -168,14 +173,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"unknown rungs {unknown}; known: {list(BY_NAME)}")
     wanted = list(dict.fromkeys(p for n in args.rungs for p in (BY_NAME[n].parent, n) if p))
     jobs = [(n, s) for n in wanted for s in args.seeds]
+    runs = args.runs.resolve()
+    runs.mkdir(parents=True, exist_ok=True)
     with ThreadPoolExecutor(args.jobs) as pool:
-        list(pool.map(lambda job: train_run(*job, args.store.resolve(), args.jobs, args.fresh), jobs))
+        list(pool.map(lambda job: train_run(runs, *job, args.store.resolve(), args.jobs, args.fresh), jobs))
     report = json.loads(args.out.read_text()) if args.out.exists() else {}
-    report |= {"what": __doc__.splitlines()[0], "store": str(args.store), "peer": PEER, "seeds": args.seeds,
+    report |= {"what": __doc__.splitlines()[0], "store": str(args.store), "runs": str(runs), "peer": PEER, "seeds": args.seeds,
                "steady_from_step": STEADY_FROM}
     rows = report.setdefault("rungs", {})
     for name in wanted:
-        rows[name] = rung_figures(name, args.seeds)
+        rows[name] = rung_figures(runs, name, args.seeds, BY_NAME[name].parent in wanted)
     report["rungs"] = {r.name: rows[r.name] for r in RUNGS if r.name in rows}
     write_report(args.out, report, table(report))
     return report
