@@ -178,8 +178,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with ThreadPoolExecutor(args.jobs) as pool:
         list(pool.map(lambda job: train_run(runs, *job, args.store.resolve(), args.jobs, args.fresh), jobs))
     report = json.loads(args.out.read_text()) if args.out.exists() else {}
-    report |= {"what": __doc__.splitlines()[0], "store": str(args.store), "runs": str(runs), "peer": PEER, "seeds": args.seeds,
-               "steady_from_step": STEADY_FROM}
+    report |= {"what": __doc__.splitlines()[0], "store": str(args.store), "runs": str(runs), "peer": PEER,
+               "seeds": args.seeds, "steady_from_step": STEADY_FROM}
     rows = report.setdefault("rungs", {})
     for name in wanted:
         rows[name] = rung_figures(runs, name, args.seeds, BY_NAME[name].parent in wanted)

@@ -78,7 +78,7 @@ def training_facts(cfg: TrainJob, summary: dict[str, Any]) -> TrainingFacts:
     return TrainingFacts(
         store_dir=cfg.store_dir, steps=int(summary["steps"]), world_size=int(summary["world_size"]),
         zero_stage=int(summary["zero_stage"]), precision=summary["precision"], micro_batch=t.micro_batch,
-        grad_accum=t.grad_accum, max_len=t.max_len, lr=float(summary["peak_lr"]), warmup=warmup, min_lr_ratio=t.min_lr_ratio,
-        grad_clip=t.grad_clip, ttt_steps=t.ttt.steps, ttt_decay=t.ttt.decay, loss=loss,
+        grad_accum=t.grad_accum, max_len=t.max_len, lr=float(summary["peak_lr"]), warmup=warmup,
+        min_lr_ratio=t.min_lr_ratio, grad_clip=t.grad_clip, ttt_steps=t.ttt.steps, ttt_decay=t.ttt.decay, loss=loss,
         heldout_accept_length=held.get("accept_length"), heldout_chain_accept_length=held.get("chain_accept_length"),
         command=command.strip())
