@@ -214,12 +214,13 @@ def fault_points() -> int:
 
 
 def plain_layer(cfg):
-    """A DraftConfig with vLLM's optional switches and the trainable final norm off: the plain
-    EAGLE-3 layer, for tests of contracts that predate the switches (tests/test_draft_flags.py
-    covers them; conf/draft/kimi_tiny.yaml turns them on)."""
+    """A DraftConfig with vLLM's optional switches, the trainable final norm and the trainable
+    lm_head off: the plain EAGLE-3 layer, for tests of contracts that predate the switches
+    (tests/test_draft_flags.py covers them; conf/draft/kimi_tiny.yaml turns them on)."""
     import dataclasses
 
-    return dataclasses.replace(cfg, fc_norm=False, norm_before_residual=False, norm_output=False, train_norm=False)
+    return dataclasses.replace(cfg, fc_norm=False, norm_before_residual=False, norm_output=False, train_norm=False,
+                               train_head=False)
 
 
 def assert_same_objective_runs(results, loss_tol: float, grad_rtol: float, grad_atol: float) -> None:

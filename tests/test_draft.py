@@ -90,12 +90,14 @@ def test_kimi_k2_draft_shapes_on_meta_device(capsys) -> None:
 def test_embedding_is_frozen_and_not_in_state_dict(tiny_draft: Eagle3Draft, draft_verifier_dir: Path) -> None:
     head = vw.read_verifier_head(draft_verifier_dir)
     assert torch.equal(tiny_draft.embed_tokens, head.embed_tokens.float())
-    assert torch.equal(tiny_draft.lm_head.weight, head.lm_head.float())
+    assert torch.equal(tiny_draft.lm_head.weight, head.lm_head.float())     # a trained head starts as the verifier's
     assert torch.equal(tiny_draft.norm.weight, head.norm.float())
     assert "embed_tokens" not in " ".join(tiny_draft.state_dict())
     trainable = {n for n, p in tiny_draft.named_parameters() if p.requires_grad}
-    assert "lm_head.weight" not in trainable
-    assert ("norm.weight" in trainable) == tiny_draft.config.train_norm     # the final norm: draft.train_norm
+    train_head = tiny_draft.config.train_head
+    assert ("lm_head.weight" in trainable) == train_head                   # draft.train_head
+    assert ("norm.weight" in trainable) == (train_head or tiny_draft.config.train_norm)
+    assert tiny_draft.shares_verifier_head == (not train_head)
     assert "fc.weight" in trainable and "midlayer.self_attn.kv_b_proj.weight" in trainable
 
 
