@@ -98,6 +98,7 @@ class TrainConf:
     betas: List[float]
     eps: float
     weight_decay: float
+    head_lr_scale: float
     torch_adam: bool
     ttt: TTTConf
     loss: LossConf

@@ -552,3 +552,17 @@ def test_train_config_passes_recompute() -> None:
     assert _objective_config(compose_config("train")).recompute is False
     assert _objective_config(compose_config("train", ["verifier=kimi_k3", "draft=kimi_k3"])).recompute is True
     assert _objective_config(compose_config("train", ["train.recompute=true"])).recompute is True
+
+
+def test_a_trained_head_gets_its_own_lr_group(tiny_cfg: DraftConfig, draft_verifier_dir: Path) -> None:
+    from train.deepspeed_setup import param_groups
+
+    trained = _objective(dataclasses.replace(tiny_cfg, train_head=True), draft_verifier_dir)
+    head = trained.draft.lm_head.weight
+    n_trainable = sum(p.requires_grad for p in trained.parameters())
+    rest, own = param_groups(trained, 2e-3, 0.1)
+    assert own["params"][0] is head and len(own["params"]) == 1 and own["lr"] == pytest.approx(2e-4)
+    assert "lr" not in rest and len(rest["params"]) == n_trainable - 1 and all(p is not head for p in rest["params"])
+    assert [len(g["params"]) for g in param_groups(trained, 2e-3, 1.0)] == [n_trainable]   # scale 1: one group
+    frozen = _objective(dataclasses.replace(tiny_cfg, train_head=False), draft_verifier_dir)
+    assert [len(g["params"]) for g in param_groups(frozen, 2e-3, 0.1)] == [sum(p.requires_grad for p in frozen.parameters())]

@@ -194,7 +194,7 @@ def test_precision_auto_is_bf16_on_accelerators_and_on_this_cpu_by_its_flags() -
 def test_bf16_the_gpu_precision_trains(tmp_path: Path, train_store: Path, draft_verifier_dir: Path) -> None:
     run = tmp_path / "bf16"
     summary = _fit(run, _overrides(train_store, draft_verifier_dir, "train.precision=bf16", "train.steps=3",
-                                   "draft.train_head=true"))
+                                   "draft.train_head=true", "train.head_lr_scale=0.5"))
     losses = _losses(run)
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
     assert summary["precision"] == "bf16" and (run / "draft" / "model.safetensors").exists()

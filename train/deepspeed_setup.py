@@ -105,6 +105,18 @@ def lr_factor(warmup_steps: int, total_steps: int | None, min_ratio: float) -> C
     return factor
 
 
+def param_groups(objective: Eagle3Objective, lr: float, head_lr_scale: float) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups: the trainable parameters at `lr`, a trainable lm_head at
+    lr x head_lr_scale (one group while the scale is 1 or the head is frozen). The schedule
+    (LambdaLR) scales each group's own lr."""
+    head = objective.draft.lm_head.weight
+    trainable = [p for p in objective.parameters() if p.requires_grad]
+    if head_lr_scale == 1.0 or not any(p is head for p in trainable):
+        return [{"params": trainable}]
+    return [{"params": [p for p in trainable if p is not head]},
+            {"params": [head], "lr": lr * head_lr_scale}]
+
+
 def initialize(objective: Eagle3Objective, cfg: TrainJob, total_steps: int | None, mpu: Any = None):
     """The DeepSpeed engine training the draft's trainable parameters. mpu: DeepSpeed's
     sequence-parallel groups (train/sequence_parallel.py SequenceParallel.mpu), None without: with
@@ -122,7 +134,7 @@ def initialize(objective: Eagle3Objective, cfg: TrainJob, total_steps: int | Non
     factor = lr_factor(warmup_steps_of(cfg.train, total_steps), total_steps, cfg.train.min_lr_ratio)
     engine, *_ = deepspeed.initialize(
         model=objective,
-        model_parameters=[p for p in objective.parameters() if p.requires_grad],
+        model_parameters=param_groups(objective, ds_config["optimizer"]["params"]["lr"], cfg.train.head_lr_scale),
         config=ds_config,
         mpu=mpu,
         lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor),
