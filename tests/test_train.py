@@ -206,6 +206,10 @@ def test_bf16_the_gpu_precision_trains(tmp_path: Path, train_store: Path, draft_
     assert set(draft.state_dict()) == set(trained) and "lm_head.weight" in trained
     assert torch.equal(draft.lm_head.weight, trained["lm_head.weight"].to(torch.bfloat16).float())
     assert not torch.equal(draft.lm_head.weight, Verifier.open(draft_verifier_dir).lm_head(torch.float32))
+    # ... in a parameter group of its own, which the schedule ran at train.head_lr_scale x the lr.
+    states = torch.load(run / "checkpoints" / "step-00000003" / "mp_rank_00_model_states.pt", weights_only=False)
+    draft_lr, head_lr = states["lr_scheduler"]["base_lrs"]
+    assert draft_lr == pytest.approx(3e-3) and head_lr == pytest.approx(0.5 * draft_lr)
 
 
 def test_pruned_vocabulary_run_exports_its_d2t(tmp_path: Path, train_store: Path, draft_verifier_dir: Path) -> None:
