@@ -116,8 +116,11 @@ def test_a_verifier_brings_its_draft_and_recipe() -> None:
     cfg = compose_config("train", ["verifier=kimi_k3"])
     assert cfg.draft.name == "kimi-k3-eagle3" and cfg.train.max_len == 46000 and cfg.train.lr == 2.0e-5
     assert cfg.train.loss.last_turn_only is True
+    assert cfg.draft.train_head is False and cfg.train.head_lr_scale == 1.0     # the verifier's lm_head, frozen
     tiny = compose_config("train")
     assert tiny.draft.name == "kimi-tiny-eagle3" and tiny.train.max_len == 2048
+    assert tiny.draft.train_head is True and tiny.train.head_lr_scale == 0.1    # trained, at a tenth of the lr
+    assert compose_config("train", ["train.head_lr_scale=0.5"]).train.head_lr_scale == 0.5
 
 
 def test_added_keys_are_refused_by_name() -> None:

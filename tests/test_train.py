@@ -153,12 +153,17 @@ def test_export_loads_back_with_the_trained_weights(zero_runs: dict[str, Path], 
     draft = load_draft(run / "draft", Verifier.open(draft_verifier_dir))
     trained = consolidated_checkpoint_state(run / "checkpoints" / "step-00000006")
     exported = draft.state_dict()
-    # A frozen full-vocabulary lm_head is the verifier's: checkpoints leave it out, exports carry it
-    # (test_bf16_the_gpu_precision_trains checks a trained one).
-    assert set(exported) == set(trained) | {"lm_head.weight"}
-    assert torch.equal(exported["lm_head.weight"], Verifier.open(draft_verifier_dir).lm_head(torch.float32))
+    # kimi-tiny's draft trains its lm_head (draft.train_head): checkpointed and exported like the
+    # other weights, and no longer the verifier's (test_bf16_the_gpu_precision_trains checks a frozen one).
+    assert draft.config.train_head is False                    # a folder does not say how it was trained
+    assert set(exported) == set(trained) and "lm_head.weight" in trained
+    assert not torch.equal(exported["lm_head.weight"], Verifier.open(draft_verifier_dir).lm_head(torch.float32))
     for name, value in trained.items():                        # exported in bf16
         assert torch.equal(exported[name], value.to(torch.bfloat16).float()), name
+    # ... in a parameter group of its own, which the schedule ran at the recipe's head_lr_scale x the lr.
+    states = torch.load(next((run / "checkpoints" / "step-00000006").glob("*model_states.pt")), weights_only=False)
+    draft_lr, head_lr = states["lr_scheduler"]["base_lrs"]
+    assert draft_lr == pytest.approx(3e-3) and head_lr == pytest.approx(0.1 * draft_lr)
     # On demand: `python -m train export <checkpoint>` writes the same draft.
     from train.__main__ import export_main
 
@@ -194,22 +199,20 @@ def test_precision_auto_is_bf16_on_accelerators_and_on_this_cpu_by_its_flags() -
 def test_bf16_the_gpu_precision_trains(tmp_path: Path, train_store: Path, draft_verifier_dir: Path) -> None:
     run = tmp_path / "bf16"
     summary = _fit(run, _overrides(train_store, draft_verifier_dir, "train.precision=bf16", "train.steps=3",
-                                   "draft.train_head=true", "train.head_lr_scale=0.5"))
+                                   "draft.train_head=false"))
     losses = _losses(run)
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
     assert summary["precision"] == "bf16" and (run / "draft" / "model.safetensors").exists()
-    # A trained lm_head (draft.train_head) is checkpointed and exported like the other weights,
-    # and leaves the verifier's.
+    # A frozen full-vocabulary lm_head is the verifier's: checkpoints leave it out, exports carry it.
     trained = consolidated_checkpoint_state(run / "checkpoints" / "step-00000003")
-    draft = load_draft(run / "draft", Verifier.open(draft_verifier_dir))
-    assert draft.config.train_head is False                    # a folder does not say how it was trained
-    assert set(draft.state_dict()) == set(trained) and "lm_head.weight" in trained
-    assert torch.equal(draft.lm_head.weight, trained["lm_head.weight"].to(torch.bfloat16).float())
-    assert not torch.equal(draft.lm_head.weight, Verifier.open(draft_verifier_dir).lm_head(torch.float32))
-    # ... in a parameter group of its own, which the schedule ran at train.head_lr_scale x the lr.
+    exported = load_draft(run / "draft", Verifier.open(draft_verifier_dir)).state_dict()
+    assert set(exported) == set(trained) | {"lm_head.weight"}
+    assert torch.equal(exported["lm_head.weight"], Verifier.open(draft_verifier_dir).lm_head(torch.float32))
+    for name, value in trained.items():
+        assert torch.equal(exported[name], value.to(torch.bfloat16).float()), name
+    # One parameter group: the scale of a frozen head's lr has nothing to scale.
     states = torch.load(run / "checkpoints" / "step-00000003" / "mp_rank_00_model_states.pt", weights_only=False)
-    draft_lr, head_lr = states["lr_scheduler"]["base_lrs"]
-    assert draft_lr == pytest.approx(3e-3) and head_lr == pytest.approx(0.5 * draft_lr)
+    assert states["lr_scheduler"]["base_lrs"] == [pytest.approx(3e-3)]
 
 
 def test_pruned_vocabulary_run_exports_its_d2t(tmp_path: Path, train_store: Path, draft_verifier_dir: Path) -> None:
