@@ -119,7 +119,7 @@ def test_a_verifier_brings_its_draft_and_recipe() -> None:
     assert cfg.draft.train_head is False and cfg.train.head_lr_scale == 1.0     # the verifier's lm_head, frozen
     tiny = compose_config("train")
     assert tiny.draft.name == "kimi-tiny-eagle3" and tiny.train.max_len == 2048
-    assert tiny.draft.train_head is True and tiny.train.head_lr_scale == 0.1    # trained, at a tenth of the lr
+    assert tiny.draft.train_head is True and tiny.train.head_lr_scale == 0.3    # trained, at 0.3 x the lr
     assert compose_config("train", ["train.head_lr_scale=0.5"]).train.head_lr_scale == 0.5
 
 
