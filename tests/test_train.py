@@ -57,6 +57,12 @@ def _losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in records]
 
 
+def _scheduled_lrs(checkpoint: Path) -> list[float]:
+    """The base lr of each optimizer parameter group, as the checkpointed lr schedule holds them."""
+    states = torch.load(next(checkpoint.glob("*model_states.pt")), weights_only=False)
+    return states["lr_scheduler"]["base_lrs"]
+
+
 def _command(run_dir: Path, overrides: list[str]) -> list[str]:
     return [*overrides, f"hydra.run.dir={run_dir}"]
 
@@ -161,8 +167,7 @@ def test_export_loads_back_with_the_trained_weights(zero_runs: dict[str, Path], 
     for name, value in trained.items():                        # exported in bf16
         assert torch.equal(exported[name], value.to(torch.bfloat16).float()), name
     # ... in a parameter group of its own, which the schedule ran at the recipe's head_lr_scale x the lr.
-    states = torch.load(next((run / "checkpoints" / "step-00000006").glob("*model_states.pt")), weights_only=False)
-    draft_lr, head_lr = states["lr_scheduler"]["base_lrs"]
+    draft_lr, head_lr = _scheduled_lrs(run / "checkpoints" / "step-00000006")
     assert draft_lr == pytest.approx(3e-3) and head_lr == pytest.approx(0.3 * draft_lr)
     # On demand: `python -m train export <checkpoint>` writes the same draft.
     from train.__main__ import export_main
@@ -211,8 +216,7 @@ def test_bf16_the_gpu_precision_trains(tmp_path: Path, train_store: Path, draft_
     for name, value in trained.items():
         assert torch.equal(exported[name], value.to(torch.bfloat16).float()), name
     # One parameter group: the scale of a frozen head's lr has nothing to scale.
-    states = torch.load(run / "checkpoints" / "step-00000003" / "mp_rank_00_model_states.pt", weights_only=False)
-    assert states["lr_scheduler"]["base_lrs"] == [pytest.approx(3e-3)]
+    assert _scheduled_lrs(run / "checkpoints" / "step-00000003") == [pytest.approx(3e-3)]
 
 
 def test_pruned_vocabulary_run_exports_its_d2t(tmp_path: Path, train_store: Path, draft_verifier_dir: Path) -> None:
