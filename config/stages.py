@@ -37,7 +37,6 @@ class RegenerateConf:
 class HeldoutSetConf:
     conversations: int
     max_tokens: int
-    answer_tokens: int
 
 
 @dataclass

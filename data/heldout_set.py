@@ -11,12 +11,7 @@ therefore (conf/dump.yaml `heldout_set`):
   split finds them held out without a list) until the set holds `conversations` of them, picked
   with the data's select share so the set mixes code and dialogue as the training data does;
 - cuts a held-out sample to `max_tokens` tokens (dump/pipeline.py), so that no conversation weighs
-  much more than another;
-- has the verifier answer a held-out conversation in at most `answer_tokens` tokens (dump/regenerate.py).
-  A standard error of a difference between two drafts, clustered by conversation, is mostly how the
-  conversations differ: on 433 conversations of 256-token answers the second half of each answer
-  added more spread between conversations than precision, and the answers' decode is most of what a
-  held-out conversation costs the dump. Shorter answers buy more conversations at the same cost.
+  much more than another.
 The training conversations are exactly those the data config alone gives.
 """
 from __future__ import annotations
@@ -32,19 +27,16 @@ from data.split import split_key_for
 
 @dataclasses.dataclass(frozen=True)
 class HeldoutSet:
-    """conf/dump.yaml heldout_set: how many held-out conversations, how long a sample of one, and how long
-    its answer."""
+    """conf/dump.yaml heldout_set: how many held-out conversations, and how long a sample of one."""
 
     conversations: int      # held-out conversations the dump reads on for (0: only those within max_samples)
     max_tokens: int         # tokens a held-out sample is cut to
-    answer_tokens: int      # tokens the verifier answers a held-out conversation in, at most
 
     def __post_init__(self) -> None:
         if self.conversations < 0:
             raise ValueError(f"heldout_set.conversations is {self.conversations}: it must be >= 0")
-        for key in ("max_tokens", "answer_tokens"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"heldout_set.{key} is {getattr(self, key)}: it must be positive")
+        if self.max_tokens < 1:
+            raise ValueError(f"heldout_set.max_tokens is {self.max_tokens}: it must be positive")
 
 
 def dump_conversations(data: Mapping[str, Any], split: str, held_out: Callable[[str], bool],

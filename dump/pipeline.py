@@ -137,13 +137,9 @@ def conversations_of(cfg: DumpJob, stats: ReadStats | None = None) -> Iterator[C
     """What the dump writes, in order: the data's conversations and the trainer's held-out set
     (data/heldout_set.py)."""
     # No held-out split: no held-out set to read on for.
-    return dump_conversations(cfg.data, cfg.split, trainer_heldout(cfg), heldout_set_of(cfg), stats)
-
-
-def heldout_set_of(cfg: DumpJob) -> HeldoutSet:
-    """conf/dump.yaml heldout_set; no conversations to read on for where nothing is held out."""
     wanted = cfg.heldout_set.conversations if cfg.heldout_split.heldout_fraction > 0 else 0
-    return HeldoutSet(wanted, cfg.heldout_set.max_tokens, cfg.heldout_set.answer_tokens)
+    heldout_set = HeldoutSet(wanted, cfg.heldout_set.max_tokens)
+    return dump_conversations(cfg.data, cfg.split, trainer_heldout(cfg), heldout_set, stats)
 
 
 def trainer_heldout(cfg: DumpJob) -> Callable[[str], bool]:
@@ -253,7 +249,7 @@ def run_dump(cfg: DumpJob, llm=None) -> dict[str, Any]:
                 if cfg.regenerate.enabled:  # the whole round: the company its answers were decoded in
                     decoder = decoder or generation_engine(cfg, verifier, llm)
                     batch = regenerate(decoder, tokenizer, batch, cfg.regenerate,
-                                       cfg.verifier.end_of_turn, cfg.max_len, heldout, heldout_set_of(cfg))
+                                       cfg.verifier.end_of_turn, cfg.max_len, heldout)
                 samples = tokenize_batch(writer, tokenizer, batch, cfg, rejections, done, heldout)
                 for added in capture_round(writer, capture, samples, cfg.capture.max_batch_tokens,
                                            rejections, done):

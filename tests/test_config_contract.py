@@ -123,18 +123,6 @@ def test_a_verifier_brings_its_draft_and_recipe() -> None:
     assert compose_config("train", ["train.head_lr_scale=0.5"]).train.head_lr_scale == 0.5
 
 
-@pytest.mark.parametrize(("verifier", "fraction"), [("kimi_tiny", 0.15), ("kimi_k2", 0.05), ("kimi_k3", 0.05),
-                                                  ("kimi_k2_rehearsal", 0.05)])
-def test_dump_and_trainer_hold_out_by_one_rule_per_verifier(verifier: str, fraction: float) -> None:
-    """conf/heldout_split/<verifier>.yaml: the dump writes the held-out shards by the split the
-    trainer evaluates on; kimi-tiny's small data set holds out more to find its 1,200 conversations."""
-    dump = compose_config("dump", [f"verifier={verifier}"]).heldout_split
-    train = compose_config("train", [f"verifier={verifier}"]).eval
-    assert (dump.heldout_fraction, dump.heldout_seed) == (train.heldout_fraction, train.heldout_seed) == (fraction, 1)
-    moved = compose_config("train", [f"verifier={verifier}", "eval.heldout_fraction=0.3"]).eval
-    assert moved.heldout_fraction == 0.3
-
-
 def test_added_keys_are_refused_by_name() -> None:
     with pytest.raises(ConfigError, match="'train.stepz'"):
         compose_config("train", ["+train.stepz=3"])

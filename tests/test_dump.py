@@ -194,41 +194,6 @@ def test_a_share_of_the_training_conversations_is_also_answered_by_sampling(
         assert copy.messages[:-1] == original.messages[:-1] and copy.messages[-1] != original.messages[-1]
 
 
-def test_held_out_conversations_are_answered_within_the_held_out_sets_limits(
-        verifier_llm, kimi_tiny_dir: Path, kimi_tiny_cfg: DictConfig) -> None:
-    """heldout_set.answer_tokens stops a held-out answer early: the greedy answer's beginning, where
-    the training conversations keep regenerate.max_tokens; a held-out prompt longer than
-    heldout_set.max_tokens is not answered at all (its sample would be cut before the answer)."""
-    from data.heldout_set import HeldoutSet
-    from dump.regenerate import regenerate
-
-    tokenizer = AutoTokenizer.from_pretrained(kimi_tiny_dir)
-    cfg = compose_config("dump", ["regenerate.max_tokens=24", "regenerate.turns=first", "regenerate.temperature=0",
-                                  "regenerate.sampled_share=0"]).regenerate
-    convs = short_multiturn(4)
-    held = {convs[0].id, convs[2].id}
-    eot = kimi_tiny_cfg.end_of_turn
-    plain = regenerate(verifier_llm, tokenizer, convs, cfg, eot, 512)
-    limited = regenerate(verifier_llm, tokenizer, convs, cfg, eot, 512, held.__contains__,
-                         HeldoutSet(conversations=0, max_tokens=512, answer_tokens=6))
-    for full, short in zip(plain, limited):
-        answer, cut = full.messages[-1].content, short.messages[-1].content
-        if full.id in held:
-            assert len(tokenizer(cut, add_special_tokens=False).input_ids) <= 6 < len(
-                tokenizer(answer, add_special_tokens=False).input_ids)
-            assert answer.startswith(cut.rstrip("\ufffd"))   # a cut may end inside a character
-        else:
-            assert short == full
-
-    no_room = regenerate(verifier_llm, tokenizer, convs, cfg, eot, 512, held.__contains__,
-                         HeldoutSet(conversations=0, max_tokens=4, answer_tokens=6))
-    for full, short in zip(plain, no_room):
-        if full.id in held:
-            assert all(m.role != "assistant" for m in short.messages)
-        else:
-            assert short == full
-
-
 def test_a_dump_stopped_between_the_calls_of_a_round_resumes_to_the_uninterrupted_store(
         tmp_path: Path, conversations_file: Path, verifier_llm, monkeypatch: pytest.MonkeyPatch) -> None:
     """One round of 6 regenerated conversations captured in engine calls of at most 200 tokens,

@@ -45,7 +45,7 @@ def test_held_out_conversations_give_one_part_each_and_the_set_reads_on(tmp_path
     data = _data(_sharegpt(tmp_path / "d.json", 400, 3), 120)
     held = held_out_by(0.1, 1, "sharegpt")
     own = list(load_conversations(data, "train"))
-    out = list(dump_conversations(data, "train", held, HeldoutSet(conversations=30, max_tokens=64, answer_tokens=32)))
+    out = list(dump_conversations(data, "train", held, HeldoutSet(conversations=30, max_tokens=64)))
     train = [c.id for c in out if not held(c.id)]
     assert train == [c.id for c in own if not held(c.id)]           # the training data is the data's own
     heldout = [c.id for c in out if held(c.id)]
@@ -54,7 +54,7 @@ def test_held_out_conversations_give_one_part_each_and_the_set_reads_on(tmp_path
     within = {sharegpt_split_key(c.id) for c in own if held(c.id)}
     assert within and within <= set(keys) and len(within) < 30      # those within max_samples come first
     assert all(i.endswith("_0") for i in heldout if sharegpt_split_key(i) not in within)   # first parts
-    again = list(dump_conversations(data, "train", held, HeldoutSet(30, 64, 32)))
+    again = list(dump_conversations(data, "train", held, HeldoutSet(30, 64)))
     assert [c.id for c in again] == [c.id for c in out]            # a fixed order: resumable
 
 
@@ -76,7 +76,7 @@ def test_a_sampled_copy_splits_and_shards_with_the_sample_it_copies() -> None:
 def test_the_extra_held_out_conversations_keep_the_select_share(tmp_path: Path) -> None:
     data = _data(_sharegpt(tmp_path / "d.json", 600, 1), 60, {"pattern": "python", "share": 0.25})
     held = held_out_by(0.2, 3, "sharegpt")
-    out = list(dump_conversations(data, "train", held, HeldoutSet(conversations=40, max_tokens=64, answer_tokens=32)))
+    out = list(dump_conversations(data, "train", held, HeldoutSet(conversations=40, max_tokens=64)))
     within = sum(held(c.id) for c in load_conversations(data, "train"))
     extra = [c for c in out[60:]]
     assert len(extra) == 40 - within and all(held(c.id) for c in extra)
@@ -87,14 +87,12 @@ def test_the_extra_held_out_conversations_keep_the_select_share(tmp_path: Path) 
 def test_no_read_on_without_a_cap_or_when_the_set_is_full(tmp_path: Path) -> None:
     path = _sharegpt(tmp_path / "d.json", 50, 2)
     held = held_out_by(0.3, 1, "sharegpt")
-    everything = list(dump_conversations(_data(path, None), "train", held, HeldoutSet(200, 64, 32)))
+    everything = list(dump_conversations(_data(path, None), "train", held, HeldoutSet(200, 64)))
     assert len({sharegpt_split_key(c.id) for c in everything}) == 50
-    capped = list(dump_conversations(_data(path, 20), "train", held, HeldoutSet(0, 64, 32)))
+    capped = list(dump_conversations(_data(path, 20), "train", held, HeldoutSet(0, 64)))
     assert len(capped) <= 20
     with pytest.raises(ValueError, match="heldout_set.max_tokens"):
-        HeldoutSet(4, 0, 32)
-    with pytest.raises(ValueError, match="heldout_set.answer_tokens"):
-        HeldoutSet(4, 64, 0)
+        HeldoutSet(4, 0)
 
 
 def _sums(path: Path, step: int, samples: dict[str, tuple[float, float]]) -> HeldoutSums:
