@@ -37,6 +37,7 @@ class RegenerateConf:
 class HeldoutSetConf:
     conversations: int
     max_tokens: int
+    answer_tokens: int
 
 
 @dataclass

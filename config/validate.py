@@ -53,7 +53,7 @@ def aux_problems(verifier: DictConfig, ascending: bool) -> list[str]:
 def dump_problems(cfg: DictConfig) -> list[str]:
     r = cfg.regenerate
     found = _at_least(cfg, {"max_len": 1, "batch_size": 1}) + _at_least(cfg.capture, {"max_batch_tokens": 1}, "capture.")
-    found += _at_least(cfg.heldout_set, {"conversations": 0, "max_tokens": 1}, "heldout_set.")
+    found += _at_least(cfg.heldout_set, {"conversations": 0, "max_tokens": 1, "answer_tokens": 1}, "heldout_set.")
     if r.enabled:
         found += _at_least(r, {"max_tokens": 1}, "regenerate.")
         if not (math.isfinite(r.temperature) and r.temperature >= 0):

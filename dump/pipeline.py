@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
@@ -31,7 +31,7 @@ from transformers import PreTrainedTokenizerBase
 from config.groups import StoreConf, VerifierConf
 from config.stages import DumpJob
 from data.conversations import Conversation, ReadStats
-from data.heldout_set import HeldoutSet, dump_conversations
+from data.heldout_set import DumpHeldout, HeldoutSet, dump_conversations, dump_heldout
 from data.split import held_out_by
 from data.rejection import Rejection
 from data.template import SampleRejected, TokenizedSample, tokenize_conversation
@@ -87,8 +87,8 @@ def open_writer(output_dir: str | Path, verifier: VerifierConf, store: StoreConf
 
     record: plain values store.json keeps under `dump` (the run's resolved config). A store whose
     final side is the verifier's top-k (store=compact) gets the verifier's lm_head, in float32 on
-    the GPU where there is one, to compute it. heldout: the trainer's held-out samples, written to
-    shards of their own; store.max_bytes bounds the shards on disk."""
+    the GPU where there is one, to compute it. heldout: the dump's held-out samples (data/heldout_set.py
+    DumpHeldout), written to shards of their own; store.max_bytes bounds the shards on disk."""
     handle = Verifier.from_conf(verifier)
     # The ids and convention as configured: the store records what its config said.
     return StoreWriter(resolve(output_dir), handle.identity,
@@ -136,27 +136,32 @@ def write_batch(writer: StoreWriter, capture: HiddenStateCapture, samples: list[
 def conversations_of(cfg: DumpJob, stats: ReadStats | None = None) -> Iterator[Conversation]:
     """What the dump writes, in order: the data's conversations and the trainer's held-out set
     (data/heldout_set.py)."""
-    # No held-out split: no held-out set to read on for.
+    return dump_conversations(cfg.data, cfg.split, trainer_rule(cfg), heldout_set_of(cfg), stats)
+
+
+def heldout_set_of(cfg: DumpJob) -> HeldoutSet:
+    """conf/dump.yaml heldout_set; no conversations to read on for where nothing is held out."""
     wanted = cfg.heldout_set.conversations if cfg.heldout_split.heldout_fraction > 0 else 0
-    heldout_set = HeldoutSet(wanted, cfg.heldout_set.max_tokens)
-    return dump_conversations(cfg.data, cfg.split, trainer_heldout(cfg), heldout_set, stats)
+    return HeldoutSet(wanted, cfg.heldout_set.max_tokens, cfg.heldout_set.answer_tokens)
 
 
-def trainer_heldout(cfg: DumpJob) -> Callable[[str], bool]:
+def trainer_rule(cfg: DumpJob) -> Callable[[str], bool]:
     """The trainer's held-out rule (conf/heldout_split) on sample ids."""
     return held_out_by(cfg.heldout_split.heldout_fraction, cfg.heldout_split.heldout_seed, cfg.data.format)
 
 
-def check_input(cfg: DumpJob) -> None:
-    """Read what the dump will read, once, so that under on_error=raise a bad record (malformed,
-    or a duplicate id) fails the dump before an engine starts rather than hours into it."""
-    deque(conversations_of(cfg), maxlen=0)
+def dump_heldout_of(cfg: DumpJob) -> DumpHeldout:
+    """Which samples the dump holds out (written to held-out shards): the trainer's rule, and the
+    conversations read past max_samples for the held-out set. It reads the input through, so that
+    under on_error=raise a bad record (malformed, or a duplicate id) fails the dump before an engine
+    starts rather than hours into it."""
+    return dump_heldout(cfg.data, cfg.split, trainer_rule(cfg), heldout_set_of(cfg))
 
 
 def tokenize_batch(writer: StoreWriter, tokenizer: PreTrainedTokenizerBase, batch: list[Conversation],
                    cfg: DumpJob, rejections: Rejections, done: AbstractSet[str] = frozenset(),
                    heldout: Callable[[str], bool] | None = None) -> list[TokenizedSample]:
-    """The batch's samples under cfg.max_len and cfg.over_long, the trainer's `heldout` ones cut to
+    """The batch's samples under cfg.max_len and cfg.over_long, the held-out ones (`heldout`) cut to
     cfg.heldout_set.max_tokens; the others are rejected (those `done` were, by the run that
     recorded them)."""
     samples: list[TokenizedSample] = []
@@ -210,14 +215,13 @@ def run_dump(cfg: DumpJob, llm=None) -> dict[str, Any]:
     """Dump this rank's share of the configured data; resumes whatever an earlier run left.
 
     `llm`: an engine already running on the verifier (tests share one); else one is started
-    from cfg.engine and shut down at the end. Under data.on_error=raise the input is read through
-    first, and a bad record stops the dump before anything is started or written.
+    from cfg.engine and shut down at the end. The input is read through first (which samples are
+    held out), so under data.on_error=raise a bad record stops the dump before anything is started
+    or written.
     """
-    if cfg.data.on_error == "raise":
-        check_input(cfg)
+    heldout = dump_heldout_of(cfg)
     verifier = Verifier.from_conf(cfg.verifier)
     tokenizer = verifier.tokenizer()
-    heldout = trainer_heldout(cfg)
     writer = open_writer(cfg.output_dir, cfg.verifier, cfg.store, OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
                          cfg.rank, cfg.world_size, heldout)
     done = writer.done_sample_ids()
@@ -249,7 +253,7 @@ def run_dump(cfg: DumpJob, llm=None) -> dict[str, Any]:
                 if cfg.regenerate.enabled:  # the whole round: the company its answers were decoded in
                     decoder = decoder or generation_engine(cfg, verifier, llm)
                     batch = regenerate(decoder, tokenizer, batch, cfg.regenerate,
-                                       cfg.verifier.end_of_turn, cfg.max_len, heldout)
+                                       cfg.verifier.end_of_turn, cfg.max_len, heldout, heldout_set_of(cfg))
                 samples = tokenize_batch(writer, tokenizer, batch, cfg, rejections, done, heldout)
                 for added in capture_round(writer, capture, samples, cfg.capture.max_batch_tokens,
                                            rejections, done):

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from data.split import held_out_by, sharegpt_split_key
+from data.split import sharegpt_split_key
 from config import compose_config
 from model.batch import PAD_SEGMENT, RowSample, collate_rows, last_turn_mask, pack_row
 from store import StoreReader
-from train.batches import PackedRows, RowStream, StoreSplit, pack_next_fit, rank_rows, split_samples
+from train.batches import PackedRows, RowStream, StoreSplit, held_out_rule, pack_next_fit, rank_rows, split_samples
 
 
 # ---- packing and order --------------------------------------------------------------------------
@@ -58,7 +58,7 @@ def test_heldout_split_is_stable_and_keeps_conversations_together(train_store: P
     assert split.heldout and split.train
     assert {r.sample_id for r in split.train}.isdisjoint(r.sample_id for r in split.heldout)
     assert len(split.train) + len(split.heldout) == len(reader)
-    again = split_samples(list(reversed(reader.samples())), held_out_by(0.3, 1, "sharegpt"))
+    again = split_samples(list(reversed(reader.samples())), held_out_rule(reader, 0.3, 1))
     assert {r.sample_id for r in again[1]} == {r.sample_id for r in split.heldout}
     held_conversations = {sharegpt_split_key(r.sample_id) for r in split.heldout}
     assert not any(sharegpt_split_key(r.sample_id) in held_conversations for r in split.train)

@@ -194,6 +194,73 @@ def test_a_share_of_the_training_conversations_is_also_answered_by_sampling(
         assert copy.messages[:-1] == original.messages[:-1] and copy.messages[-1] != original.messages[-1]
 
 
+def test_the_held_out_set_reads_on_past_max_samples_and_the_store_records_it(
+        tmp_path: Path, verifier_llm) -> None:
+    """A dump capped at 6 conversations holds out those the trainer's rule picks among them and
+    reads on for the rest of heldout_set.conversations. The store's held-out shards record which,
+    and the trainer's split (train/batches.py) trains on the data's own conversations only, whatever
+    the set's size."""
+    from data.split import held_out_by
+    from dump.pipeline import run_dump
+    from train.batches import StoreSplit
+
+    convs = short_multiturn(12)
+    data_file = write_jsonl(convs, tmp_path / "d.jsonl")
+    ids = [c.id for c in convs]
+    rule = held_out_by(0.3, 1, "jsonl")
+    own_held = [i for i in ids[:6] if rule(i)]
+    read_on = ids[6:6 + 4 - len(own_held)]
+    assert 0 < len(own_held) < 4 and any(not rule(i) for i in read_on)   # the test's premise
+    out = tmp_path / "store"
+    run_dump(dump_cfg(out, data_file, "data.max_samples=6", "data.heldout_fraction=0.0", "regenerate.enabled=false",
+                      "heldout_split.heldout_fraction=0.3", "heldout_split.heldout_seed=1",
+                      "heldout_set.conversations=4", "heldout_set.max_tokens=160"), llm=verifier_llm)
+
+    split = StoreSplit.open(out, 0.3, 1)
+    assert [r.sample_id for r in split.train] == [i for i in ids[:6] if not rule(i)]
+    assert sorted(r.sample_id for r in split.heldout) == sorted(own_held + read_on)
+    assert all(r.num_tokens <= 160 for r in split.heldout) and any(r.num_tokens == 160 for r in split.heldout)
+    assert {e.heldout for e in split.reader.shards() if set(e.sample_ids) & set(read_on)} == {True}
+    # Another rule for the trainer moves the rule's samples, never the ones the dump read on for.
+    other = StoreSplit.open(out, 0.0, 1)
+    assert not {r.sample_id for r in other.train} & set(read_on)
+
+
+def test_held_out_conversations_are_answered_within_the_held_out_sets_limits(
+        verifier_llm, kimi_tiny_dir: Path, kimi_tiny_cfg: DictConfig) -> None:
+    """heldout_set.answer_tokens stops a held-out answer early: the greedy answer's beginning, where
+    the training conversations keep regenerate.max_tokens; a held-out prompt longer than
+    heldout_set.max_tokens is not answered at all (its sample would be cut before the answer)."""
+    from data.heldout_set import HeldoutSet
+    from dump.regenerate import regenerate
+
+    tokenizer = AutoTokenizer.from_pretrained(kimi_tiny_dir)
+    cfg = compose_config("dump", ["regenerate.max_tokens=24", "regenerate.turns=first", "regenerate.temperature=0",
+                                  "regenerate.sampled_share=0"]).regenerate
+    convs = short_multiturn(4)
+    held = {convs[0].id, convs[2].id}
+    eot = kimi_tiny_cfg.end_of_turn
+    plain = regenerate(verifier_llm, tokenizer, convs, cfg, eot, 512)
+    limited = regenerate(verifier_llm, tokenizer, convs, cfg, eot, 512, held.__contains__,
+                         HeldoutSet(conversations=0, max_tokens=512, answer_tokens=6))
+    for full, short in zip(plain, limited):
+        answer, cut = full.messages[-1].content, short.messages[-1].content
+        if full.id in held:
+            assert len(tokenizer(cut, add_special_tokens=False).input_ids) <= 6 < len(
+                tokenizer(answer, add_special_tokens=False).input_ids)
+            assert answer.startswith(cut.rstrip("\ufffd"))   # a cut may end inside a character
+        else:
+            assert short == full
+
+    no_room = regenerate(verifier_llm, tokenizer, convs, cfg, eot, 512, held.__contains__,
+                         HeldoutSet(conversations=0, max_tokens=4, answer_tokens=6))
+    for full, short in zip(plain, no_room):
+        if full.id in held:
+            assert all(m.role != "assistant" for m in short.messages)
+        else:
+            assert short == full
+
+
 def test_a_dump_stopped_between_the_calls_of_a_round_resumes_to_the_uninterrupted_store(
         tmp_path: Path, conversations_file: Path, verifier_llm, monkeypatch: pytest.MonkeyPatch) -> None:
     """One round of 6 regenerated conversations captured in engine calls of at most 200 tokens,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from config import compose_config
-from data.heldout_set import HeldoutSet, dump_conversations
+from data.heldout_set import HeldoutSet, dump_conversations, dump_heldout
 from data.conversations import load_conversations
 from data.split import held_out_by, sharegpt_split_key
 from evaluation.paired import HeldoutSums, paired_difference
@@ -43,18 +43,30 @@ def _data(path: Path, max_samples: int | None, select: dict | None = None) -> di
 
 def test_held_out_conversations_give_one_part_each_and_the_set_reads_on(tmp_path: Path) -> None:
     data = _data(_sharegpt(tmp_path / "d.json", 400, 3), 120)
-    held = held_out_by(0.1, 1, "sharegpt")
+    rule = held_out_by(0.1, 1, "sharegpt")
     own = list(load_conversations(data, "train"))
-    out = list(dump_conversations(data, "train", held, HeldoutSet(conversations=30, max_tokens=64)))
+    own_keys = {sharegpt_split_key(c.id) for c in own}
+    small, large = HeldoutSet(30, 64, 32), HeldoutSet(60, 64, 32)
+    out = list(dump_conversations(data, "train", rule, small))
+    held = dump_heldout(data, "train", rule, small)
     train = [c.id for c in out if not held(c.id)]
-    assert train == [c.id for c in own if not held(c.id)]           # the training data is the data's own
+    assert train == [c.id for c in own if not rule(c.id)]           # the training data is the data's own
     heldout = [c.id for c in out if held(c.id)]
     keys = [sharegpt_split_key(i) for i in heldout]
     assert len(keys) == len(set(keys)) == 30                        # one part per conversation, 30 of them
-    within = {sharegpt_split_key(c.id) for c in own if held(c.id)}
+    within = {sharegpt_split_key(c.id) for c in own if rule(c.id)}
     assert within and within <= set(keys) and len(within) < 30      # those within max_samples come first
-    assert all(i.endswith("_0") for i in heldout if sharegpt_split_key(i) not in within)   # first parts
-    again = list(dump_conversations(data, "train", held, HeldoutSet(30, 64)))
+    read_on = [i for i in heldout if sharegpt_split_key(i) not in within]
+    assert all(i.endswith("_0") for i in read_on)                   # first parts
+    assert not {sharegpt_split_key(i) for i in read_on} & own_keys  # of conversations the data's read missed
+    assert any(not rule(i) for i in read_on)                        # held out by the dump, not the rule
+    assert held(read_on[0] + "~sampled")                            # a copy splits with its conversation
+
+    bigger = list(dump_conversations(data, "train", rule, large))
+    held_more = dump_heldout(data, "train", rule, large)
+    assert [c.id for c in bigger if not held_more(c.id)] == train   # a larger set trains on the same data
+    assert set(heldout) < {c.id for c in bigger if held_more(c.id)}
+    again = list(dump_conversations(data, "train", rule, small))
     assert [c.id for c in again] == [c.id for c in out]            # a fixed order: resumable
 
 
@@ -75,10 +87,12 @@ def test_a_sampled_copy_splits_and_shards_with_the_sample_it_copies() -> None:
 
 def test_the_extra_held_out_conversations_keep_the_select_share(tmp_path: Path) -> None:
     data = _data(_sharegpt(tmp_path / "d.json", 600, 1), 60, {"pattern": "python", "share": 0.25})
-    held = held_out_by(0.2, 3, "sharegpt")
-    out = list(dump_conversations(data, "train", held, HeldoutSet(conversations=40, max_tokens=64)))
-    within = sum(held(c.id) for c in load_conversations(data, "train"))
-    extra = [c for c in out[60:]]
+    rule = held_out_by(0.2, 3, "sharegpt")
+    wanted = HeldoutSet(conversations=40, max_tokens=64, answer_tokens=32)
+    out = list(dump_conversations(data, "train", rule, wanted))
+    held = dump_heldout(data, "train", rule, wanted)
+    within = sum(rule(c.id) for c in load_conversations(data, "train"))
+    extra = out[60:]
     assert len(extra) == 40 - within and all(held(c.id) for c in extra)
     code = sum("python" in c.messages[0].content for c in extra)
     assert code == round(0.25 * len(extra))
@@ -87,12 +101,14 @@ def test_the_extra_held_out_conversations_keep_the_select_share(tmp_path: Path) 
 def test_no_read_on_without_a_cap_or_when_the_set_is_full(tmp_path: Path) -> None:
     path = _sharegpt(tmp_path / "d.json", 50, 2)
     held = held_out_by(0.3, 1, "sharegpt")
-    everything = list(dump_conversations(_data(path, None), "train", held, HeldoutSet(200, 64)))
+    everything = list(dump_conversations(_data(path, None), "train", held, HeldoutSet(200, 64, 32)))
     assert len({sharegpt_split_key(c.id) for c in everything}) == 50
-    capped = list(dump_conversations(_data(path, 20), "train", held, HeldoutSet(0, 64)))
+    capped = list(dump_conversations(_data(path, 20), "train", held, HeldoutSet(0, 64, 32)))
     assert len(capped) <= 20
     with pytest.raises(ValueError, match="heldout_set.max_tokens"):
-        HeldoutSet(4, 0)
+        HeldoutSet(4, 0, 32)
+    with pytest.raises(ValueError, match="heldout_set.answer_tokens"):
+        HeldoutSet(4, 64, 0)
 
 
 def _sums(path: Path, step: int, samples: dict[str, tuple[float, float]]) -> HeldoutSums:

@@ -15,7 +15,9 @@ sequence-parallel group read the same rows and each keeps its slice (train/seque
 
 Split. A sample is held out for evaluation when `data.split.is_held_out` says so for
 its conversation (ShareGPT parts "id_3" count as "id", as the dump's own split does), with the
-fraction and seed of conf/train.yaml: stable whatever the store's order or size.
+fraction and seed of conf/train.yaml, or when the dump wrote it to a held-out shard (the
+conversations it read on for the held-out set, data/heldout_set.py): stable whatever the store's
+order or size.
 
 Size. A store too small for the run is caught before the first step (`check_split_sizes`): no
 training sample is refused; no held-out sample skips the held-out evaluation (the run still
@@ -47,18 +49,26 @@ from train.parent_death import bind_to_parent
 
 
 # ---- split -------------------------------------------------------------------------------
-def held_out_rule(reader: StoreReader, fraction: float, seed: int) -> Callable[[str], bool]:
-    """The held-out predicate on the store's sample ids (data/conversations.py held_out_by, with
-    the conversation key of the data the store was dumped from)."""
+def held_out_rule(reader: StoreReader, fraction: float, seed: int) -> Callable[[SampleRef], bool]:
+    """Whether a sample of the store is held out: its conversation is, by data/split.py held_out_by
+    (with the conversation key of the data the store was dumped from), or the dump recorded it held
+    out by writing it to a held-out shard (data/heldout_set.py: the conversations it read past
+    data.max_samples for the held-out set, which no rule on ids finds)."""
     data = reader.dump_config.get("data") or {}
-    return held_out_by(fraction, seed, data.get("format"))
+    by_id = held_out_by(fraction, seed, data.get("format"))
+    heldout_shards = frozenset(entry.name for entry in reader.shards() if entry.heldout)
+    return functools.partial(_is_held_out_ref, by_id=by_id, heldout_shards=heldout_shards)
 
 
-def split_samples(refs: Sequence[SampleRef], heldout: Callable[[str], bool]) -> tuple[list[SampleRef], list[SampleRef]]:
+def _is_held_out_ref(ref: SampleRef, by_id: Callable[[str], bool], heldout_shards: frozenset[str]) -> bool:
+    return ref.shard in heldout_shards or by_id(ref.sample_id)
+
+
+def split_samples(refs: Sequence[SampleRef], heldout: Callable[[SampleRef], bool]) -> tuple[list[SampleRef], list[SampleRef]]:
     """(train, held-out) refs, in store order."""
     train, held = [], []
     for ref in refs:
-        (held if heldout(ref.sample_id) else train).append(ref)
+        (held if heldout(ref) else train).append(ref)
     return train, held
 
 

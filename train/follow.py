@@ -189,7 +189,7 @@ class FollowSchedule:
 
     def _training_refs(self, reader: StoreReader, shards: list[str]) -> list[SampleRef]:
         wanted, rule = set(shards), held_out_rule(reader, *self.heldout)
-        return [r for r in reader.samples() if r.shard in wanted and not rule(r.sample_id)]
+        return [r for r in reader.samples() if r.shard in wanted and not rule(r)]
 
     def _decide(self) -> WindowRecord | None:
         """Rank 0: the next window, waiting (polling the store) until it is decided; None when the
