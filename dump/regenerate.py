@@ -10,14 +10,14 @@ so a batch takes as many generate calls as its longest conversation has turns); 
 only the first user turn and drops the rest of the conversation: one generate call per batch.
 
 sampled_share: that share of the training conversations (picked by id, so a resumed or sharded dump
-picks the same ones; the trainer's held-out ones never) is answered a second time, at
+picks the same ones; held-out ones never) is answered a second time, at
 sampled_temperature, as a sample of its own (data/split.py sampled_copy_id, split with the
 conversation it copies): a draft served to sampling requests meets the verifier's sampled text, which
 answers at a low temperature never show it. The originals keep their answers at `temperature`, and
 the held-out metric stays on those.
 
-The trainer's held-out conversations are answered within the held-out set's limits (conf/dump.yaml
-heldout_set, data/heldout_set.py): no token is decoded that the sample's cut to heldout_set.max_tokens
+Held-out conversations (the dump's, data/heldout_set.py DumpHeldout) are answered within the held-out
+set's limits (conf/dump.yaml heldout_set): no token is decoded that the sample's cut to heldout_set.max_tokens
 would drop, and an answer stops at heldout_set.answer_tokens.
 """
 from __future__ import annotations
@@ -61,8 +61,8 @@ def regenerate(llm, tokenizer: PreTrainedTokenizerBase, conversations: Sequence[
                heldout: Callable[[str], bool] | None = None,
                heldout_set: HeldoutSet | None = None) -> list[Conversation]:
     """The same conversations with every assistant turn rewritten by the verifier, followed by the
-    sampled copies of those sampled_share picks. `heldout`: the trainer's held-out conversations
-    (data/split.py held_out_by), which get no sampled copy and, given `heldout_set`, are answered
+    sampled copies of those sampled_share picks. `heldout`: the held-out conversations
+    (data/heldout_set.py DumpHeldout), which get no sampled copy and, given `heldout_set`, are answered
     within its limits."""
     from vllm import SamplingParams, TokensPrompt
 

@@ -64,6 +64,17 @@ def test_heldout_split_is_stable_and_keeps_conversations_together(train_store: P
     assert not any(sharegpt_split_key(r.sample_id) in held_conversations for r in split.train)
 
 
+def test_a_store_trains_on_the_same_data_as_itself(train_store: Path) -> None:
+    """bench/training_data_diff.py, which says whether a change to the held-out set moved a training
+    sample: a store against itself matches sample for sample."""
+    from bench.training_data_diff import training_data_diff
+
+    report = training_data_diff(train_store, train_store, 0.3, 1)
+    n = report["train_samples"][0]
+    assert n > 0 and report["train_identical"] == report["train_shared"] == n and report["train_same_order"]
+    assert report["heldout_shared"] == report["heldout_samples"][0] > 0
+
+
 def test_a_train_fraction_is_a_nested_subset_and_keeps_the_heldout(train_store: Path) -> None:
     split = StoreSplit.open(train_store, 0.3, 1)
     half, quarter = split.with_train_fraction(0.5), split.with_train_fraction(0.25)
