@@ -20,10 +20,11 @@ from tqdm import tqdm
 
 from config import compose_config
 from data.split import split_key_for
+from store import SampleRef
 from train.batches import StoreSplit
 
 
-def same_sample(a: StoreSplit, b: StoreSplit, ref_a, ref_b) -> bool:
+def same_sample(a: StoreSplit, b: StoreSplit, ref_a: SampleRef, ref_b: SampleRef) -> bool:
     x, y = a.reader.read_sample(ref_a), b.reader.read_sample(ref_b)
     return all(torch.equal(torch.as_tensor(getattr(x, f)), torch.as_tensor(getattr(y, f)))
                for f in ("input_ids", "loss_mask", "aux", "final"))

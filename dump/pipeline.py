@@ -219,7 +219,7 @@ def run_dump(cfg: DumpJob, llm=None) -> dict[str, Any]:
     held out), so under data.on_error=raise a bad record stops the dump before anything is started
     or written.
     """
-    heldout = dump_heldout_of(cfg)
+    heldout, heldout_set = dump_heldout_of(cfg), heldout_set_of(cfg)
     verifier = Verifier.from_conf(cfg.verifier)
     tokenizer = verifier.tokenizer()
     writer = open_writer(cfg.output_dir, cfg.verifier, cfg.store, OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
@@ -253,7 +253,7 @@ def run_dump(cfg: DumpJob, llm=None) -> dict[str, Any]:
                 if cfg.regenerate.enabled:  # the whole round: the company its answers were decoded in
                     decoder = decoder or generation_engine(cfg, verifier, llm)
                     batch = regenerate(decoder, tokenizer, batch, cfg.regenerate,
-                                       cfg.verifier.end_of_turn, cfg.max_len, heldout, heldout_set_of(cfg))
+                                       cfg.verifier.end_of_turn, cfg.max_len, heldout, heldout_set)
                 samples = tokenize_batch(writer, tokenizer, batch, cfg, rejections, done, heldout)
                 for added in capture_round(writer, capture, samples, cfg.capture.max_batch_tokens,
                                            rejections, done):
