@@ -3,8 +3,10 @@
     .venv/bin/python -m bench.variants --variant NAME='OVERRIDE ...' [--variant ...]
         [--prompts 96] [--seed 0] [--runs DIR] [--out bench/results/variants.json]
 
-Each variant is a name and the overrides that make it (none: the defaults): `python -m dump`'s, and
-`python -m train`'s written with a `train:` prefix (`train:train.lr=1.7e-3`). Into DIR/<name>/:
+Each variant is a name and the overrides that make it (none: the defaults): `python -m dump`'s,
+`python -m train`'s written with a `train:` prefix (`train:train.lr=1.7e-3`) and `python -m
+evaluation`'s with an `eval:` prefix (a variant that changes what the verifier is asked for, such as
+`verifier.aux_layer_ids`, gives it to all three). Into DIR/<name>/:
 `python -m dump <its overrides>` into DIR/<name>/store, `python -m train` on it with the demo's
 `eval.every=0`, `seed=<seed>` (the draft's initialisation and shuffle) and its overrides, and
 `python -m evaluation` on its draft with `num_prompts=<prompts>` per category (96 by default: on the
@@ -47,19 +49,27 @@ def run_stage(args: list[str], done: Path) -> None:
     subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, check=True)
 
 
-TRAIN = "train:"     # an override of `python -m train`; the others are `python -m dump`'s
+TRAIN = "train:"     # an override of `python -m train`
+EVAL = "eval:"       # an override of `python -m evaluation`; the unprefixed ones are `python -m dump`'s
+
+
+def stage_overrides(overrides: list[str]) -> tuple[list[str], list[str], list[str]]:
+    """A variant's overrides -> (the dump's, the trainer's, the evaluation's), prefixes dropped."""
+    dump = [o for o in overrides if not o.startswith((TRAIN, EVAL))]
+    train = [o[len(TRAIN):] for o in overrides if o.startswith(TRAIN)]
+    evaluation = [o[len(EVAL):] for o in overrides if o.startswith(EVAL)]
+    return dump, train, evaluation
 
 
 def run_variant(name: str, overrides: list[str], runs: Path, prompts: int, seed: int) -> dict[str, Any]:
     """Dump and train with `overrides`, train with `seed`, evaluate on `prompts` per category, in runs/<name>."""
     run = runs / name
     store, dump, train, evaluation = run / "store", run / "dump", run / "train", run / "eval"
-    dump_args = [o for o in overrides if not o.startswith(TRAIN)]
-    train_args = [o[len(TRAIN):] for o in overrides if o.startswith(TRAIN)]
+    dump_args, train_args, eval_args = stage_overrides(overrides)
     run_stage(["dump", *dump_args, f"output_dir={store}", f"hydra.run.dir={dump}"], dump / "dump_summary.json")
     run_stage(["train", f"store_dir={store}", f"seed={seed}", "eval.every=0", *train_args, f"hydra.run.dir={train}"],
               train / "summary.json")
-    run_stage(["evaluation", f"draft_dir={train / 'draft'}", f"num_prompts={prompts}", "card=false",
+    run_stage(["evaluation", f"draft_dir={train / 'draft'}", f"num_prompts={prompts}", "card=false", *eval_args,
                f"hydra.run.dir={evaluation}"], evaluation / "eval.json")
     summary = json.loads((dump / "dump_summary.json").read_text())
     trained = train_figures(train)
@@ -106,7 +116,8 @@ def compare(variants: list[tuple[str, list[str]]], runs: Path, prompts: int, see
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
-    """NAME=OVERRIDES (space-separated Hydra overrides, `train:` before the trainer's) -> (name, overrides)."""
+    """NAME=OVERRIDES (space-separated Hydra overrides, `train:` before the trainer's, `eval:` before the
+    evaluation's) -> (name, overrides)."""
     name, sep, overrides = text.partition("=")
     if not sep or not name or "/" in name:
         raise argparse.ArgumentTypeError(f"--variant {text!r}: expected NAME='override override ...'")

@@ -138,3 +138,20 @@ def test_seeded_sampled_requests_whose_prompts_span_several_steps_decode(test_dr
         runs = measure_real(cfg, categories, verifier, test_draft_dir, stop, decoding_engine(cfg))
     for name, by_mode in runs.items():
         assert by_mode["sampled"].counts.drafts > 0 and len(by_mode["sampled"].outputs) == 4, name
+
+
+def test_a_bench_variant_gives_each_stage_its_own_overrides() -> None:
+    """bench/variants.py: unprefixed overrides go to the dump, `train:` ones to the trainer, `eval:`
+    ones to the evaluation, so that a variant of the verifier's aux ids reaches all three."""
+    from bench.variants import parse_variant, stage_overrides
+
+    aux = "verifier.aux_layer_ids=[2,4,7]"
+    name, overrides = parse_variant(f"aux247={aux} train:{aux} train:train.steps=400 eval:{aux}")
+    dump, train, evaluation = stage_overrides(overrides)
+    assert name == "aux247"
+    assert (dump, train, evaluation) == ([aux], [aux, "train.steps=400"], [aux])
+    assert list(compose_config("dump", dump).verifier.aux_layer_ids) == [2, 4, 7]
+    trained = compose_config("train", ["store_dir=x", *train])
+    assert list(trained.draft.aux_layer_ids) == [2, 4, 7] and trained.train.steps == 400
+    assert list(compose_config("eval", ["draft_dir=x", *evaluation]).verifier.aux_layer_ids) == [2, 4, 7]
+    assert stage_overrides([]) == ([], [], [])
