@@ -50,7 +50,8 @@ class ShardEntry:
     # empty for a shard no manifest lists yet
     metadata_sha256: dict[str, str] = field(default_factory=dict)
     # The shard holds only held-out samples (the dump's heldout_split and the conversations it read
-    # on for the held-out set): the trainer holds them out, a following trainer never retires it. False in manifests written before the split was routed.
+    # on for the held-out set): the trainer holds them out, a following trainer never retires it.
+    # False in manifests written before the split was routed.
     heldout: bool = False
 
 

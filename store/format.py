@@ -25,8 +25,9 @@ crash, before its manifest was updated, is verified and adopted when its rank re
 A manifest entry's `heldout` (and its shard's attribute of that name) says the shard holds only
 held-out samples (the trainer's split, conf/heldout_split, and the conversations the dump read on for
 the held-out set, data/heldout_set.py; the writer puts them in shards of their own): the trainer holds
-out every sample of such a shard, and a following trainer never retires it. Entries written before the split was routed lack it:
-False. A retired shard is gone from shards/ but stays in its rank's manifest: its samples are done.
+out every sample of such a shard, and a following trainer never retires it. Entries written before
+the split was routed lack it: False. A retired shard is gone from shards/ but stays in its rank's
+manifest: its samples are done.
 
 A manifest's "rejected" maps each sample id the rank rejected to its record (data/rejection.py's
 Rejection): {"kind", "file", "line", "reason"}. kind is one of RejectionKind's values ("no

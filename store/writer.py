@@ -117,7 +117,8 @@ class StoreWriter:
     unused otherwise.
 
     heldout: which sample ids are held out; those go into shards of their own (manifest entry
-    `heldout`), which the trainer holds out and a following trainer never retires. None: one kind of shard.
+    `heldout`), which the trainer holds out and a following trainer never retires. None: one kind
+    of shard.
     max_bytes: before writing a shard, wait (polling every poll_s seconds, saying why, marked in
     the store for a following trainer: store/progress.py) while the store's shards hold at least
     this many bytes on disk; so the disk holds at most max_bytes plus one shard per writing rank.
